@@ -1,0 +1,469 @@
+"""Plumbing every script shares. Nothing here knows about any one algorithm: args, seeding, devices,
+models and tokenizers (hub, local dir, or the embedded `tiny` one), tasks and prompts, tokenization
+with response masks, chunked log-probs / entropy / KL, the sampler (HF and vLLM), checkpoints, logs."""
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import verifier
+
+
+class CountdownError(Exception):
+    """A mistake the user can fix: printed as one line by cli(), never as a traceback."""
+
+
+# ---- args ----------------------------------------------------------------------------------------
+def arg(default, help):
+    """A dataclass field with its --help text next to it: `lr: float = arg(5e-5, "peak lr")`."""
+    return field(default=default, metadata={"help": help})
+
+
+def parse_args(cls, argv=None):
+    """argparse built from an Args dataclass; `--foo_bar` and `--foo-bar` both work, bools get
+    `--flag/--no-flag`."""
+    doc = (sys.modules[cls.__module__].__doc__ or "").strip()
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
+        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), f.type)
+        help = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if kind is bool:
+            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        else:
+            p.add_argument(*names, dest=f.name, type=kind, default=f.default, help=help)
+    return cls(**vars(p.parse_args(argv)))
+
+
+def cli(main):
+    """Run `main`; a CountdownError becomes one line on stderr and exit code 2."""
+    try:
+        main()
+    except CountdownError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def device_and_dtype():
+    """bf16 on a GPU (what the papers trained in), fp32 on CPU (bf16 matmuls are slow there)."""
+    return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+
+
+# ---- prompts and tasks ---------------------------------------------------------------------------
+# TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the same
+# assistant prefix but drops the preamble: with the embedded tokenizer it halves the prompt length.
+TEMPLATES = {
+    "base": "A conversation between User and Assistant. The user asks a question, and the Assistant "
+            "solves it. The assistant first thinks about the reasoning process in the mind and then "
+            "provides the user with the answer.\nUser: Using the numbers {nums}, create an equation "
+            "that equals {target}. You can use basic arithmetic operations (+, -, *, /) and each number "
+            "can only be used once. Show your work in <think> </think> tags. And return the final "
+            "answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.\n"
+            "Assistant: Let me solve this step by step.\n<think>",
+    "compact": "User: Using the numbers {nums}, create an equation that equals {target}.\n"
+               "Assistant: Let me solve this step by step.\n<think>",
+}
+
+
+def make_prompt(nums, target, template="base"):
+    return TEMPLATES[template].format(nums=list(nums), target=target)
+
+
+def read_jsonl(path, required=()):
+    """Rows of a JSONL file; a malformed line or a missing field is an error naming file:line."""
+    if not os.path.isfile(path):
+        raise CountdownError(f"no such file: {path}")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CountdownError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            missing = [k for k in required if not isinstance(row, dict) or k not in row]
+            if missing:
+                has = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise CountdownError(f"{path}:{i}: missing field(s) {missing}; the line has {has}")
+            rows.append(row)
+    return rows
+
+
+def load_records(source, split, required):
+    """Rows from a local .jsonl file, or a hub dataset's split (the `datasets` import is lazy)."""
+    if source.endswith(".jsonl") or os.path.exists(source):
+        return read_jsonl(source, required)
+    try:
+        import datasets
+        ds = datasets.load_dataset(source, split=split)
+    except Exception as e:  # offline, unknown name, no such split: all end the same way for a user
+        raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}). "
+                             "Offline? The embedded alternative needs no hub: --data gen (see README)") from None
+    missing = [k for k in required if k not in ds.column_names]
+    if missing:
+        raise CountdownError(f"dataset '{source}' has no column(s) {missing}; it has {ds.column_names}")
+    return list(ds)
+
+
+GEN_DEFAULTS = {"nums": "3-4", "range": "1-99", "target": "10-100", "test": "500", "val": "200", "seed": "0"}
+HUB_HELD_OUT = 1000  # Countdown-Tasks-3to4 has only a train split: its last rows are our val + test
+
+
+def load_tasks(data, split, n=None):
+    """Countdown tasks {"nums", "target"} for split train|val|test from one of:
+    `gen[:key=value,...]`  the generator; keys nums=3-4 range=1-99 target=10-100 test=500 val=200
+                           seed=0 (the seed belongs to the data, so every script sees one test set);
+    `path.jsonl`           a file with nums/target per line (the file is the split);
+    `owner/name`           a hub dataset; for one with only `train` (Countdown-Tasks-3to4) the last
+                           1,000 rows are held out: 500 val, then 500 test."""
+    if split not in ("train", "val", "test"):
+        raise CountdownError(f"unknown split '{split}': use train, val or test")
+    if data == "gen" or data.startswith("gen:"):
+        kv = dict(GEN_DEFAULTS)
+        try:
+            for item in filter(None, data[4:].split(",")):
+                key, value = item.split("=")
+                assert key in kv
+                kv[key] = value
+            span = {k: [int(x) for x in kv[k].split("-")] * (2 - kv[k].count("-")) for k in ("nums", "range", "target")}
+            sizes = {"test": int(kv["test"]), "val": int(kv["val"]), "train": n or 10_000}
+        except (ValueError, AssertionError):
+            raise CountdownError(f"bad --data '{data}': expected gen:key=value,... with keys {sorted(kv)}, "
+                                 "spans like nums=3-4 or nums=3") from None
+        sizes = dict(list(sizes.items())[: list(sizes).index(split) + 1])  # don't generate what isn't asked
+        rows = verifier.generate_splits(sizes, int(kv["seed"]), tuple(range(span["nums"][0], span["nums"][1] + 1)),
+                                        tuple(span["range"]), tuple(span["target"]))[split]
+    else:
+        rows = load_records(data, "train", ["nums", "target"])
+        if not os.path.exists(data):  # a hub dataset: carve the held-out rows off its only split
+            rows = {"train": rows[:-HUB_HELD_OUT], "val": rows[-HUB_HELD_OUT:-HUB_HELD_OUT // 2],
+                    "test": rows[-HUB_HELD_OUT // 2:]}[split]
+    tasks = []
+    for i, r in enumerate(rows[:n] if n else rows, 1):
+        nums, target = r["nums"], r["target"]
+        if not (isinstance(nums, list) and nums and all(isinstance(x, int) for x in nums) and isinstance(target, int)):
+            raise CountdownError(f"{data} row {i}: nums must be a list of ints and target an int, got {nums!r}, {target!r}")
+        tasks.append({"nums": list(nums), "target": target})
+    if not tasks:
+        raise CountdownError(f"no tasks in {data} ({split})")
+    return tasks
+
+
+# ---- models and tokenizers -----------------------------------------------------------------------
+TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=384, max_position_embeddings=1024)
+
+
+@functools.lru_cache(maxsize=1)
+def build_tiny_tokenizer(vocab_size=384):
+    """A byte-level BPE (exact round trip for any text) trained on the task's own text, one token per
+    digit so any number can be written, the four tags as single tokens. Deterministic."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng, corpus = random.Random(0), []
+    for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25), target_range=(1, 200))["x"]:
+        for template in TEMPLATES:
+            corpus.append(make_prompt(task["nums"], task["target"], template) + verifier.make_trace(task["nums"], task["target"], rng, 2))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?[0-9]"), "isolated"),  # " 12" -> " 1", "2"
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|pad|>"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
+    # pad != eos on purpose: a mask built from `ids != pad` would then never drop the real EOS.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def build_tiny_model(tokenizer, **overrides):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **{**TINY, **overrides})
+    return Qwen2ForCausalLM(cfg)
+
+
+def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
+    """(model, tokenizer) from `tiny` (new, from scratch), a checkpoint dir, or a hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if name == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        return build_tiny_model(tokenizer, **tiny_overrides).to(device, dtype), tokenizer
+    if os.path.exists(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the --output_dir of a finished run")
+    elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise CountdownError(f"no such checkpoint dir: {name}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    except OSError as e:
+        if os.path.exists(name):
+            raise CountdownError(f"could not load checkpoint {name}: {e}") from None
+        raise CountdownError(f"could not load '{name}' from the hub (offline?). The embedded alternative "
+                             "needs no hub: --model tiny (see README)") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # Qwen base: pad == eos, so masks come from lengths
+    return model, tokenizer
+
+
+def save_checkpoint(model, tokenizer, output_dir):
+    """Write an HF checkpoint into output_dir without ever leaving a half-written file: save to a temp
+    dir inside it, then os.replace each file (config.json last: it is what marks a checkpoint)."""
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=output_dir)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+# ---- tokenization with response masks ------------------------------------------------------------
+def pack(prompt_ids, response_ids, pad_id):
+    """Right-padded batch from token-id lists. response_mask marks the response tokens (EOS included,
+    if the response has one); prompt and padding are 0. Masks come from lengths, never from comparing
+    ids to pad_id, because for Qwen pad == eos."""
+    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
+    T = max(map(len, seqs))
+    input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    response_mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, (p, s) in enumerate(zip(prompt_ids, seqs)):
+        input_ids[i, :len(s)] = torch.tensor(s)
+        attention_mask[i, :len(s)] = 1
+        response_mask[i, len(p):len(s)] = 1
+    return input_ids, attention_mask, response_mask
+
+
+def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_response_len=1024):
+    """Tokenize prompt and response separately (so the boundary is exact), append EOS to each response
+    (kept in the mask: the model must learn to stop), truncate the response to max_response_len."""
+    P = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    R = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    too_long = [len(p) for p in P if len(p) > max_prompt_len]
+    if too_long:
+        raise CountdownError(f"a prompt has {max(too_long)} tokens but --max_prompt_len is {max_prompt_len}")
+    R = [(r + [tokenizer.eos_token_id])[:max_response_len] for r in R]
+    return pack(P, R, tokenizer.pad_token_id)
+
+
+# ---- log-probs, entropy and KL without the B x T x V wall ----------------------------------------
+def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature):
+    """Log-prob of `targets`, entropy, and forward KL(teacher || model) for one chunk of N positions.
+    Only this chunk's (N, V) logits ever exist; checkpoint() recomputes them in backward."""
+    logits = F.linear(h, weight).float()                                                 # (N, V)
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)                             # (N,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
+    kl = torch.zeros_like(logp)
+    if t_h is not None:  # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab
+        with torch.no_grad():
+            t_logp = torch.log_softmax(F.linear(t_h, t_weight).float() / kd_temperature, -1)   # (N, V')
+        s_logp = torch.log_softmax(logits[:, : t_logp.shape[-1]] / kd_temperature, -1)
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+    return logp, entropy, kl
+
+
+def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False, teacher=None,
+                kd_temperature=1.0, chunk_size=512):
+    """Per-token statistics of the next-token predictions at the positions where `mask` (B, T) is 1:
+    logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at `temperature`, and with a `teacher` the
+    forward KL (B, T-1) at `kd_temperature` over the shared vocab (padding may differ: 151,936 vs
+    152,064, so both heads are cut to the smaller). Zeros where mask is 0. Hidden states are computed
+    once; the lm_head runs on chunks of `chunk_size` positions, so memory scales with the chunk, not
+    with B x T x V, in forward and (through checkpointing) in backward."""
+    sel = mask[:, 1:].bool()                                                             # (B, T-1)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    h = hidden[:, :-1][sel]                                                              # (N, H)
+    targets = input_ids[:, 1:][sel]                                                      # (N,)
+    weight = model.get_output_embeddings().weight                                        # (V, H)
+    t_h = t_weight = None
+    if teacher is not None:
+        with torch.no_grad():
+            t_h = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1][sel]
+            t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
+    outs = []
+    for s in range(0, h.shape[0], chunk_size):
+        c = slice(s, s + chunk_size)
+        args = (h[c], weight, targets[c], temperature, entropy, None if t_h is None else t_h[c], t_weight, kd_temperature)
+        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_stats(*args))
+    stats = {}
+    for k, name in enumerate(("logp", "entropy", "kl")):
+        full = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
+        stats[name] = full.masked_scatter(sel, torch.cat([o[k] for o in outs])) if outs else full
+    return stats
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+@dataclass
+class Rollouts:
+    """n completions per prompt, flattened prompt-major: row i belongs to prompt i // n."""
+    prompt_ids: list        # per prompt: token ids
+    completion_ids: list    # per row: token ids, EOS included when the completion finished
+    logprobs: list          # per row: the sampler's raw (T = 1, unfiltered) log-prob of each token
+    texts: list             # per row: decoded completion without EOS
+    finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
+
+
+def _filter_logits(logits, temperature, top_k, top_p):
+    """Temperature, then top-k, then top-p (nucleus), as vLLM applies them. (N, V) -> (N, V)."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+class HFSampler:
+    """Plain-PyTorch KV-cache sampling with the training model itself (so sync() has nothing to copy).
+    Rows are left-padded and decoded in batches of `batch_size`; a batch stops when every row hit EOS."""
+
+    def __init__(self, model, tokenizer, batch_size=256):
+        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+
+    def sync(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
+        prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
+        rows = [p for p in prompt_ids for _ in range(n)]
+        gen = torch.Generator(device=self.model.device).manual_seed(seed)
+        was_training = self.model.training
+        self.model.eval()
+        out_ids, out_lp, finished = [], [], []
+        for s in range(0, len(rows), self.batch_size):
+            ids, lps, done = self._batch(rows[s:s + self.batch_size], temperature, top_p, top_k, max_new_tokens, gen)
+            out_ids += ids
+            out_lp += lps
+            finished += done
+        self.model.train(was_training)
+        texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id] for ids in out_ids])
+        return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
+
+    def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen):
+        eos, dev = self.tok.eos_token_id, self.model.device
+        P = max(map(len, rows))
+        ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)                # (b, P)
+        attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        toks, lps, alive = [], [], []
+        for _ in range(max_new_tokens):
+            logits = out.logits[:, -1]                                                          # (b, V)
+            raw_logp = torch.log_softmax(logits.float(), -1)
+            if temperature == 0:
+                tok = logits.argmax(-1)
+            else:
+                tok = torch.multinomial(_filter_logits(logits, temperature, top_k, top_p).softmax(-1), 1, generator=gen)[:, 0]
+            alive.append(~done)
+            toks.append(tok)
+            lps.append(raw_logp.gather(-1, tok[:, None])[:, 0])
+            done = done | (tok == eos)
+            if done.all():
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=out.past_key_values,
+                             use_cache=True)
+        alive, toks, lps = torch.stack(alive, 1), torch.stack(toks, 1), torch.stack(lps, 1)   # (b, L)
+        lengths = alive.sum(1).tolist()
+        ids = [t[:k] for t, k in zip(toks.tolist(), lengths)]
+        return ids, [lp[:k] for lp, k in zip(lps.tolist(), lengths)], [bool(x) for x in done.tolist()]
+
+
+class VLLMSampler:
+    """Colocated vLLM engine for GPU runs. Pinned to vllm==0.10.2 (README); vLLM ships CUDA wheels only,
+    so this class has never run on the CPU machines this repo is developed and tested on."""
+
+    def __init__(self, model_dir, tokenizer, gpu_memory_utilization=0.3, max_model_len=2048, seed=0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: weights reachable
+        from vllm import LLM
+        self.tok = tokenizer
+        self.llm = LLM(model=model_dir, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
+                       dtype="bfloat16", max_model_len=max_model_len, seed=seed)
+
+    def sync(self, model):
+        """Copy the trainer's current weights into the engine (the vLLM 0.10 in-process path TRL uses)."""
+        engine_model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        engine_model.load_weights(model.state_dict().items())
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def sleep(self):
+        self.llm.sleep(level=1)  # weights to CPU, KV cache freed: the optimizer step gets the memory
+
+    def wake(self):
+        self.llm.wake_up()
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
+        from vllm import SamplingParams
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                                max_tokens=max_new_tokens, seed=seed, logprobs=0)  # raw logprobs by default
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        comps = [c for o in outs for c in o.outputs]
+        return Rollouts([list(o.prompt_token_ids) for o in outs], [list(c.token_ids) for c in comps],
+                        [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
+                        [c.text for c in comps], [c.finish_reason == "stop" for c in comps])
+
+
+# ---- logging -------------------------------------------------------------------------------------
+CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc", "eval/pass@1": "pass@1",
+           "train/resp_len": "len", "time/step": "s"}
+
+
+class Logger:
+    """metrics.jsonl always, one console line per step under a tqdm bar, wandb only if asked."""
+
+    def __init__(self, output_dir, total_steps, args=None, wandb_project=""):
+        from tqdm import tqdm
+        os.makedirs(output_dir, exist_ok=True)
+        if args is not None:
+            with open(os.path.join(output_dir, "args.json"), "w") as f:
+                json.dump(dataclasses.asdict(args), f, indent=1)
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        self.total, self.bar, self.t0 = total_steps, tqdm(total=total_steps, leave=False, dynamic_ncols=True), time.time()
+        self.wandb = None
+        if wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=wandb_project, config=dataclasses.asdict(args) if args else None)
+
+    def log(self, step, metrics):
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, "wall": round(time.time() - self.t0, 2), **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        shown = [f"{short} {metrics[k]:.3g}" for k, short in CONSOLE.items() if k in metrics]
+        self.bar.write(" | ".join([f"step {step}/{self.total}"] + shown))
+        self.bar.n = step
+        self.bar.refresh()
+
+    def close(self):
+        self.bar.close()
+        self.file.close()
+        if self.wandb:
+            self.wandb.finish()

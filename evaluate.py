@@ -1,0 +1,165 @@
+"""Evaluate a checkpoint on held-out Countdown with the papers' fixed sampler (paper 000 §4: T 0.6,
+top_p 0.95, top_k 20, 16 samples, 1024 new tokens), so that methods differ only in their weights.
+
+Reports pass@k with the unbiased estimator and the expected samples drawn by verifier-guided best-of-N
+with early stopping (paper 000 Eq. 5), 3- vs 4-number splits and the format rate. Writes
+OUT/summary.json and OUT/samples.jsonl (DESIGN.md contract).
+
+  python evaluate.py --model out/sft --out out/eval/sft                      # real setting, 1 GPU
+  python evaluate.py --model out/cpu/sft --data gen:nums=3,range=1-9 --template compact \
+      --num_problems 200 --max_new_tokens 160 --out out/cpu/eval/sft          # embedded, CPU
+  python evaluate.py --recompute out/eval/sft        # re-score stored samples with today's verifier
+  python evaluate.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png
+"""
+import json
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from math import comb
+
+from common import CountdownError, HFSampler, VLLMSampler, arg, cli, device_and_dtype, load_model, load_tasks, \
+    make_prompt, parse_args, read_jsonl, seed_everything
+from verifier import score
+
+
+@dataclass
+class Args:
+    model: str = arg("Qwen/Qwen2.5-0.5B", "checkpoint dir or hub name to evaluate")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks: hub name, file.jsonl or gen[:key=value,...]")
+    split: str = arg("test", "which split of --data")
+    num_problems: int = arg(50, "problems to evaluate (paper 000: 50)")
+    num_samples: int = arg(16, "samples per problem (pass@k is reported for k up to this)")
+    temperature: float = arg(0.6, "sampler temperature (paper 000's fixed eval sampler)")
+    top_p: float = arg(0.95, "nucleus sampling")
+    top_k: int = arg(20, "top-k sampling (0 = off)")
+    max_new_tokens: int = arg(1024, "completion budget")
+    template: str = arg("base", "prompt template: base (TinyZero, the papers') or compact (embedded)")
+    backend: str = arg("hf", "sampler: hf (any device) or vllm (CUDA only)")
+    batch_size: int = arg(256, "rows decoded together by the HF sampler")
+    seed: int = arg(0, "sampling seed")
+    out: str = arg("", "output dir (or PNG path with --plot)")
+    recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite DIR/summary.json")
+    plot: str = arg("", "comma-separated eval dirs: draw their pass@k-vs-k curves to --out")
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k (paper 000 Eq. 5): 1 - C(n-c, k) / C(n, k), exact (big integers, no floats)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return float(1 - Fraction(comb(n - c, k), comb(n, k)))
+
+
+def expected_samples(n, c, k):
+    """E[min(T, k)] for T the index of the first verified sample when drawing without replacement from
+    the n recorded ones (paper 000 Eq. 5): sum_{j<k} C(n-c, j) / C(n, j) = sum_j P(first j all fail)."""
+    return float(sum(Fraction(comb(n - c, j), comb(n, j)) for j in range(k)))
+
+
+def _ks(n):
+    return sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= n} | {n})
+
+
+def summarize(records):
+    """The summary.json dict (DESIGN.md) from per-problem records with a `scores` list each."""
+    n = len(records[0]["scores"])
+    correct = [sum(s == 1.0 for s in r["scores"]) for r in records]
+
+    def pass_table(cs):
+        return {str(k): sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in _ks(n)}
+
+    by_size = {}
+    for size in sorted({len(r["nums"]) for r in records}):
+        cs = [c for c, r in zip(correct, records) if len(r["nums"]) == size]
+        by_size[str(size)] = {"num_problems": len(cs), "pass_at_k": pass_table(cs)}
+    scores = [s for r in records for s in r["scores"]]
+    return {"num_problems": len(records), "num_samples": n, "pass_at_k": pass_table(correct), "by_size": by_size,
+            "format_rate": sum(s > 0 for s in scores) / len(scores),
+            "best_of_n": {"accuracy": sum(c > 0 for c in correct) / len(correct),
+                          "avg_samples": sum(expected_samples(n, c, n) for c in correct) / len(correct)}}
+
+
+def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=1024,
+             template="base", seed=0, sampler=None):
+    """Sample, score and summarize; the trainers call this for their periodic held-out evaluation.
+    Returns (summary, records)."""
+    sampler = sampler or HFSampler(model, tokenizer)
+    prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
+    ro = sampler.generate(prompts, num_samples, temperature, top_p, top_k, max_new_tokens, seed)
+    records = []
+    for i, t in enumerate(tasks):
+        texts = ro.texts[i * num_samples:(i + 1) * num_samples]
+        records.append({"nums": t["nums"], "target": t["target"], "completions": texts,
+                        "scores": [score(x, t["nums"], t["target"]) for x in texts]})
+    return summarize(records), records
+
+
+def write_results(out, summary, records):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "samples.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def format_table(summary):
+    pk = summary["pass_at_k"]
+    lines = [f"{summary['num_problems']} problems x {summary['num_samples']} samples | format rate "
+             f"{summary['format_rate']:.3f} | best-of-{summary['num_samples']} {summary['best_of_n']['accuracy']:.3f} "
+             f"at {summary['best_of_n']['avg_samples']:.2f} samples/problem",
+             "          " + "".join(f"{'pass@' + k:>10}" for k in pk),
+             f"{'all':<10}" + "".join(f"{v:>10.3f}" for v in pk.values())]
+    for size, s in summary["by_size"].items():
+        lines.append(f"{size + ' nums':<10}" + "".join(f"{s['pass_at_k'].get(k, float('nan')):>10.3f}" for k in pk)
+                     + f"   ({s['num_problems']} problems)")
+    return "\n".join(lines)
+
+
+def plot(run_dirs, out_png):
+    """pass@k-vs-k curves of several eval dirs on one chart (paper 000 Fig. 2)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in run_dirs:
+        path = os.path.join(d, "summary.json")
+        if not os.path.isfile(path):
+            raise CountdownError(f"{d} has no summary.json: run evaluate.py --out {d} first")
+        pk = json.load(open(path))["pass_at_k"]
+        ax.plot([int(k) for k in pk], list(pk.values()), marker="o", label=os.path.basename(os.path.normpath(d)))
+    ax.set(xscale="log", xlabel="k (samples)", ylabel="pass@k", ylim=(0, 1), title="pass@k on held-out problems")
+    ax.set_xticks([int(k) for k in pk], labels=list(pk))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+
+
+def main():
+    args = parse_args(Args)
+    if args.plot:
+        plot(args.plot.split(","), args.out or "pass_at_k.png")
+        print(f"wrote {args.out or 'pass_at_k.png'}")
+        return
+    if args.recompute:
+        records = read_jsonl(os.path.join(args.recompute, "samples.jsonl"), ["nums", "target", "completions"])
+        for r in records:
+            r["scores"] = [score(x, r["nums"], r["target"]) for x in r["completions"]]
+        summary = summarize(records)
+        write_results(args.recompute, summary, records)
+        print(format_table(summary))
+        return
+    seed_everything(args.seed)
+    device, dtype = device_and_dtype()
+    model, tokenizer = load_model(args.model, device, dtype)
+    tasks = load_tasks(args.data, args.split, args.num_problems)
+    sampler = VLLMSampler(args.model, tokenizer, seed=args.seed) if args.backend == "vllm" else \
+        HFSampler(model, tokenizer, args.batch_size)
+    summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature, args.top_p, args.top_k,
+                                args.max_new_tokens, args.template, args.seed, sampler)
+    if args.out:
+        write_results(args.out, summary, records)
+    print(format_table(summary))
+
+
+if __name__ == "__main__":
+    cli(main)
