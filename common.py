@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import socket
 import sys
 import tempfile
 import time
@@ -110,16 +111,30 @@ def load_records(source, split, required):
     """Rows from a local .jsonl file, or a hub dataset's split (the `datasets` import is lazy)."""
     if source.endswith(".jsonl") or os.path.exists(source):
         return read_jsonl(source, required)
+    hint = "The embedded alternative needs no hub: --data gen (see README)"
+    _check_hub(f"dataset '{source}'", hint)
     try:
         import datasets
         ds = datasets.load_dataset(source, split=split)
-    except Exception as e:  # offline, unknown name, no such split: all end the same way for a user
-        raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}). "
-                             "Offline? The embedded alternative needs no hub: --data gen (see README)") from None
+    except Exception as e:  # unknown name, no such split, no access: all end the same way for a user
+        raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}: {e}). {hint}") from None
     missing = [k for k in required if k not in ds.column_names]
     if missing:
         raise CountdownError(f"dataset '{source}' has no column(s) {missing}; it has {ds.column_names}")
     return list(ds)
+
+
+def _check_hub(what, hint):
+    """Fail in seconds, not after huggingface_hub's minute of retries, when the hub is unreachable.
+    With HF_HUB_OFFLINE=1 set we skip the probe and let the libraries read their local cache."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
+        return
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError:
+        raise CountdownError(f"cannot reach {host} to fetch {what} (offline? if it is in your HF cache, "
+                             f"set HF_HUB_OFFLINE=1). {hint}") from None
 
 
 GEN_DEFAULTS = {"nums": "3-4", "range": "1-99", "target": "10-100", "test": "500", "val": "200", "seed": "0"}
@@ -211,14 +226,14 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
             raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the --output_dir of a finished run")
     elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         raise CountdownError(f"no such checkpoint dir: {name}")
+    hint = "The embedded alternative needs no hub: --model tiny (see README)"
+    if not os.path.exists(name):
+        _check_hub(f"model '{name}'", hint)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     except OSError as e:
-        if os.path.exists(name):
-            raise CountdownError(f"could not load checkpoint {name}: {e}") from None
-        raise CountdownError(f"could not load '{name}' from the hub (offline?). The embedded alternative "
-                             "needs no hub: --model tiny (see README)") from None
+        raise CountdownError(f"could not load {name}: {e}" + ("" if os.path.exists(name) else f" {hint}")) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # Qwen base: pad == eos, so masks come from lengths
     return model, tokenizer

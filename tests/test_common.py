@@ -1,0 +1,243 @@
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common as C
+import verifier as V
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def qwen_like(vocab, seed=0, hidden=32):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def naive_stats(model, ids, attn, temperature=1.0):
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all, logp_all.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+@pytest.fixture(scope="module")
+def big_vocab_model():
+    return qwen_like(151_936)
+
+
+def batch(vocab, B=3, T=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, -5:] = 0  # right padding
+    mask = attn.clone()
+    mask[:, :6] = 0   # prompt
+    return ids, attn, mask
+
+
+def test_chunked_logprobs_and_entropy_match_naive_at_qwen_vocab(big_vocab_model):
+    ids, attn, mask = batch(151_936)
+    stats = C.token_stats(big_vocab_model, ids, attn, mask, entropy=True, chunk_size=7)
+    logp_all, logp = naive_stats(big_vocab_model, ids, attn)
+    sel = mask[:, 1:].bool()
+    assert torch.allclose(stats["logp"][sel], logp[sel], atol=1e-5)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    assert torch.allclose(stats["entropy"][sel], entropy[sel], atol=1e-5)
+    assert (stats["logp"][~sel] == 0).all() and (stats["entropy"][~sel] == 0).all()
+
+
+def test_chunked_logprobs_gradient_matches_naive():
+    model = qwen_like(1000)
+    ids, attn, mask = batch(1000)
+    sel = mask[:, 1:].bool()
+    C.token_stats(model, ids, attn, mask, temperature=0.7, chunk_size=5)["logp"].sum().backward()
+    g_chunked = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _, logp = naive_stats(model, ids, attn, temperature=0.7)
+    logp[sel].sum().backward()
+    for a, p in zip(g_chunked, model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_forward_kl_matches_naive_with_padded_teacher_vocab(temperature):
+    student, teacher = qwen_like(1000, seed=0), qwen_like(1024, seed=1)  # teacher vocab padded by 24
+    ids, attn, mask = batch(1000)
+    stats = C.token_stats(student, ids, attn, mask, teacher=teacher, kd_temperature=temperature, chunk_size=4)
+    zs = student(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    zt = teacher(input_ids=ids, attention_mask=attn).logits[:, :-1, :1000].float()
+    ps, pt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
+    kl = (pt.exp() * (pt - ps)).sum(-1)
+    sel = mask[:, 1:].bool()
+    assert torch.allclose(stats["kl"][sel], kl[sel], atol=1e-5)
+    assert (stats["kl"][sel] > 0).all()
+    assert C.token_stats(student, ids, attn, mask, teacher=student)["kl"].abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return C.load_model("tiny")
+
+
+def test_mask_keeps_eos_and_drops_prompt_and_padding():
+    tok = C.build_tiny_tokenizer()
+    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7, 1], 99, "compact")]
+    responses = [" 3 + 5 = 8.\n</think>\n<answer>(3 + 5) * 4</answer>", " x"]
+    ids, attn, mask = C.tokenize_pairs(tok, prompts, responses)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        n_p = len(tok(p)["input_ids"])
+        n_r = len(tok(r, add_special_tokens=False)["input_ids"]) + 1
+        assert mask[i, :n_p].sum() == 0 and mask[i, n_p:n_p + n_r].all() and mask[i, n_p + n_r:].sum() == 0
+        assert ids[i, n_p + n_r - 1] == tok.eos_token_id           # the EOS is the last masked token
+        assert tok.decode(ids[i][mask[i].bool()][:-1]) == r
+        assert attn[i].sum() == n_p + n_r
+    # pad == eos, as for Qwen base: masks come from lengths, so the real EOS still counts
+    ids, attn, mask = C.pack([[5, 6], [5]], [[7, 1], [1]], pad_id=1)
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]] and attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+def test_prompt_longer_than_max_is_a_clear_error():
+    tok = C.build_tiny_tokenizer()
+    with pytest.raises(C.CountdownError, match="max_prompt_len"):
+        C.tokenize_pairs(tok, [C.make_prompt([1, 2, 3], 6)], ["x"], max_prompt_len=10)
+
+
+def test_tiny_tokenizer_round_trips_any_text():
+    tok = C.build_tiny_tokenizer()
+    for text in [C.make_prompt([12, 7, 99, 1], 100), V.make_trace([7, 4, 5], 55, max_dead_ends=2),
+                 "<answer> 123 / (4-5) </answer>\n\t ünïcode ✓ \x00", ""]:
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    assert len(tok("<answer>", add_special_tokens=False)["input_ids"]) == 1
+    assert tok.pad_token_id != tok.eos_token_id
+
+
+def test_hf_sampler_stops_at_eos_and_respects_max_tokens(tiny):
+    model, tok = tiny
+    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([1, 2], 3, "compact")]
+    # point the EOS row of the (tied) head along the mean hidden state: EOS logit ~4, the rest ~0, so
+    # some rows finish and others run out of budget
+    model = C.build_tiny_model(tok)
+    model.load_state_dict(tiny[0].state_dict())
+    with torch.no_grad():
+        h = model.base_model(input_ids=torch.tensor([tok(prompts[0])["input_ids"]])).last_hidden_state.mean((0, 1))
+        model.get_output_embeddings().weight[tok.eos_token_id] = 4 * h / h.norm() ** 2
+    ro = C.HFSampler(model, tok, batch_size=5).generate(prompts, n=6, temperature=1.0, max_new_tokens=12, seed=3)
+    assert len(ro.completion_ids) == 12 and len(ro.prompt_ids) == 2
+    for ids, lps, done in zip(ro.completion_ids, ro.logprobs, ro.finished):
+        assert 1 <= len(ids) <= 12 and len(lps) == len(ids)
+        assert (tok.eos_token_id in ids) == done
+        if done:
+            assert ids.index(tok.eos_token_id) == len(ids) - 1  # nothing after the EOS
+        else:
+            assert len(ids) == 12
+    assert 0 < sum(ro.finished) < 12
+    again = C.HFSampler(model, tok, batch_size=5).generate(prompts, n=6, temperature=1.0, max_new_tokens=12, seed=3)
+    assert again.completion_ids == ro.completion_ids  # seeded: same draw
+
+
+def test_sampler_logprobs_match_trainer_logprobs(tiny):
+    """The weight-sync canary: the sampler's log-probs of its own tokens equal a fresh forward pass."""
+    model, tok = tiny
+    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7, 1], 99, "base")]
+    ro = C.HFSampler(model, tok).generate(prompts, n=3, temperature=1.0, max_new_tokens=20, seed=0)
+    ids, attn, mask = C.pack([ro.prompt_ids[i // 3] for i in range(6)], ro.completion_ids, tok.pad_token_id)
+    with torch.no_grad():
+        logp = C.token_stats(model, ids, attn, mask)["logp"]
+    sampler_lp = torch.zeros_like(logp)
+    sampler_lp[mask[:, 1:].bool()] = torch.tensor([x for row in ro.logprobs for x in row])
+    assert (logp - sampler_lp).abs().max() < 1e-4
+
+
+def test_filter_logits_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda **kw: torch.isfinite(C._filter_logits(logits, 1.0, **kw)).tolist()[0]
+    assert kept(top_k=2, top_p=1.0) == [True, True, False, False]
+    assert kept(top_k=0, top_p=0.7) == [True, True, False, False]   # 0.5 < 0.7 <= 0.8
+    assert kept(top_k=0, top_p=0.9) == [True, True, True, False]    # 0.8 < 0.9 <= 0.95
+    assert kept(top_k=0, top_p=1.0) == [True] * 4
+
+
+def test_checkpoint_round_trip(tiny, tmp_path):
+    model, tok = tiny
+    out = tmp_path / "ckpt"
+    C.save_checkpoint(model, tok, str(out))
+    assert not [p for p in os.listdir(out) if p.startswith(".tmp")]
+    loaded, tok2 = C.load_model(str(out))
+    ids = torch.tensor([tok(C.make_prompt([1, 2, 3], 6, "compact"))["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    assert tok2.get_vocab() == tok.get_vocab() and tok2.eos_token_id == tok.eos_token_id
+
+
+def test_clear_errors_for_bad_models_and_data(tmp_path, monkeypatch):
+    with pytest.raises(C.CountdownError, match="no such checkpoint dir"):
+        C.load_model(str(tmp_path / "missing"))
+    with pytest.raises(C.CountdownError, match="not a checkpoint dir"):
+        C.load_model(str(tmp_path))
+    def offline(*a, **k):
+        raise OSError("Name or service not known")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(C.socket, "create_connection", offline)  # as on this machine: no hub
+    with pytest.raises(C.CountdownError, match="cannot reach huggingface.co .* --model tiny"):
+        C.load_model("Qwen/Qwen2.5-0.5B")
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text('{"nums": [1, 2], "target": 3}\n\n{"numbers": [1], "target": 1}\n')
+    with pytest.raises(C.CountdownError, match=r"tasks.jsonl:3: missing field\(s\) \['nums'\]; the line has \['numbers', 'target'\]"):
+        C.load_tasks(str(bad), "test")
+    bad.write_text('{"nums": [1, 2], "target": 3}\n{"nums": [1, 2], "target": \n')
+    with pytest.raises(C.CountdownError, match=r"tasks.jsonl:2: not valid JSON"):
+        C.load_tasks(str(bad), "test")
+    bad.write_text('{"nums": "1 2", "target": 3}\n')
+    with pytest.raises(C.CountdownError, match="row 1: nums must be a list of ints"):
+        C.load_tasks(str(bad), "test")
+    with pytest.raises(C.CountdownError, match="bad --data"):
+        C.load_tasks("gen:numbers=3", "test")
+    with pytest.raises(C.CountdownError, match="--data gen"):
+        C.load_tasks("nobody/no-such-dataset", "test")
+
+
+def test_load_tasks_from_generator_and_jsonl(tmp_path):
+    test = C.load_tasks("gen:nums=3,range=1-9,target=10-100,test=50,val=20", "test")
+    train = C.load_tasks("gen:nums=3,range=1-9,target=10-100,test=50,val=20", "train", 200)
+    assert len(test) == 50 and len(train) == 200
+    assert not {(tuple(sorted(t["nums"])), t["target"]) for t in test} & {(tuple(sorted(t["nums"])), t["target"]) for t in train}
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in test))
+    assert C.load_tasks(str(path), "test") == test
+
+
+@dataclasses.dataclass
+class _Args:
+    output_dir: str = C.arg("out", "where")
+    lr: float = C.arg(1e-5, "learning rate")
+    steps: int = C.arg(3, "steps")
+    gradient_checkpointing: bool = C.arg(False, "recompute activations")
+
+
+def test_parse_args_dashes_underscores_and_bools():
+    a = C.parse_args(_Args, ["--output-dir", "x", "--lr", "3e-4", "--steps", "7", "--gradient_checkpointing"])
+    assert a == _Args("x", 3e-4, 7, True)
+    assert C.parse_args(_Args, ["--no-gradient_checkpointing"]).gradient_checkpointing is False
+
+
+def test_logger_writes_jsonl(tmp_path):
+    log = C.Logger(str(tmp_path), total_steps=2, args=_Args())
+    log.log(1, {"train/loss": 0.5, "train/reward": torch.tensor(0.25)})
+    log.close()
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert rows[0]["step"] == 1 and rows[0]["train/reward"] == 0.25
+    assert json.load(open(tmp_path / "args.json"))["lr"] == 1e-5
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "evaluate.py", "--model", str(tmp_path / "nope")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no such checkpoint dir" in r.stderr

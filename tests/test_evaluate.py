@@ -1,0 +1,81 @@
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+from math import comb
+
+import pytest
+
+import evaluate as E
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_equals_brute_force_over_subsets(n):
+    for c in range(n + 1):
+        outcomes = [1] * c + [0] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+            assert E.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_pass_at_k_exact_at_extremes():
+    assert E.pass_at_k(16, 0, 16) == 0.0 and E.pass_at_k(16, 16, 1) == 1.0 and E.pass_at_k(16, 1, 16) == 1.0
+    assert E.pass_at_k(16, 1, 1) == 1 / 16
+    assert E.pass_at_k(1000, 1, 500) == 0.5  # big integers stay exact
+    with pytest.raises(ValueError):
+        E.pass_at_k(4, 5, 1)
+
+
+@pytest.mark.parametrize("n, c, k", [(16, 0, 16), (16, 1, 16), (16, 5, 8), (8, 8, 4), (10, 3, 10)])
+def test_expected_samples_matches_simulation(n, c, k):
+    rng = random.Random(0)
+    draws = []
+    for _ in range(40_000):
+        order = rng.sample([1] * c + [0] * (n - c), n)
+        first = next((i + 1 for i, x in enumerate(order) if x), None)
+        draws.append(min(first or k, k))
+    assert E.expected_samples(n, c, k) == pytest.approx(sum(draws) / len(draws), abs=0.05)
+    assert E.expected_samples(n, 0, k) == k and E.expected_samples(n, n, k) == 1
+
+
+def test_summarize_splits_and_best_of_n():
+    records = [{"nums": [1, 2, 3], "target": 6, "completions": [""] * 4, "scores": [1.0, 0.1, 0.0, 0.1]},
+               {"nums": [1, 2, 3, 4], "target": 24, "completions": [""] * 4, "scores": [0.1, 0.1, 0.1, 0.1]}]
+    s = E.summarize(records)
+    assert s["num_problems"] == 2 and s["num_samples"] == 4 and list(s["pass_at_k"]) == ["1", "2", "4"]
+    assert s["pass_at_k"]["1"] == pytest.approx(0.125) and s["pass_at_k"]["4"] == 0.5
+    assert s["by_size"]["3"]["pass_at_k"]["4"] == 1.0 and s["by_size"]["4"]["num_problems"] == 1
+    assert s["format_rate"] == 7 / 8
+    assert s["best_of_n"] == {"accuracy": 0.5, "avg_samples": pytest.approx((E.expected_samples(4, 1, 4) + 4) / 2)}
+
+
+def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
+    out = tmp_path / "eval"
+    cmd = [sys.executable, "evaluate.py", "--model", "tiny", "--data", "gen:nums=3-4,range=1-20,test=6",
+           "--num_problems", "6", "--num_samples", "4", "--max_new_tokens", "8", "--template", "compact", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    s = json.load(open(out / "summary.json"))
+    assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n"}
+    assert s["num_problems"] == 6 and s["num_samples"] == 4 and set(s["pass_at_k"]) == {"1", "2", "4"}
+    assert set(s["by_size"]) <= {"3", "4"} and set(s["best_of_n"]) == {"accuracy", "avg_samples"}
+    rows = [json.loads(x) for x in open(out / "samples.jsonl")]
+    assert len(rows) == 6 and all(len(x["completions"]) == len(x["scores"]) == 4 for x in rows)
+    assert "pass@1" in r.stdout
+    # recompute: a hand-written correct answer flips a score and the summary follows
+    from verifier import solve
+    rows[0]["completions"][0] = f"<answer>{solve(rows[0]['nums'], rows[0]['target'])}</answer>"
+    (out / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    r = subprocess.run([sys.executable, "evaluate.py", "--recompute", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(out / "summary.json"))["pass_at_k"]["4"] >= 1 / 6
+    png = tmp_path / "curves.png"
+    r = subprocess.run([sys.executable, "evaluate.py", "--plot", f"{out},{out}", "--out", str(png)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,211 @@
+import random
+import time
+from fractions import Fraction
+
+import pytest
+
+import verifier as V
+
+NUMS, TARGET = [3, 5, 4], 32  # (3 + 5) * 4 = 32
+
+
+def ans(expr):
+    return f"<think>...</think>\n<answer>{expr}</answer>"
+
+
+@pytest.mark.parametrize("response, expected", [
+    # correct: any parenthesization, order, whitespace (newlines too), unary minus, redundant parens
+    (ans("(3 + 5) * 4"), 1.0),
+    (ans("4*(5+3)"), 1.0),
+    (ans("\n ( 3\n+5 )\t* 4 \n"), 1.0),
+    (ans("((((3 + 5)))) * 4"), 1.0),
+    (ans("-(-3 - 5) * 4"), 1.0),
+    (ans("- - (3 + 5) * 4"), 1.0),
+    (ans("4 * (5 + 3) / 1 * 1") , 0.1),       # extra literals: not the given multiset
+    (ans("(3 + 5) * 04"), 1.0),                # leading zero is still the integer 4
+    # the last complete block wins
+    (ans("3 + 5 + 4") + ans("(3 + 5) * 4"), 1.0),
+    (ans("(3 + 5) * 4") + ans("3 + 5 + 4"), 0.1),
+    (ans("(3 + 5) * 4") + "<answer>3 + 5", 1.0),   # an unclosed block is not an answer
+    ("<answer><answer>(3 + 5) * 4</answer>", 1.0),
+    # no complete block: 0.0
+    ("(3 + 5) * 4", 0.0),
+    ("<answer>(3 + 5) * 4", 0.0),
+    ("(3 + 5) * 4</answer>", 0.0),
+    ("</answer>(3+5)*4<answer>", 0.0),
+    ("", 0.0),
+    # present but wrong or invalid: 0.1
+    (ans("3 + 5 + 4"), 0.1),                   # wrong value
+    (ans("(3 + 5) * 4 = 32"), 0.1),            # '=' is not part of an expression
+    (ans("(3 + 3) * 4"), 0.1),                 # wrong numbers
+    (ans("(3 + 5) * 4 * 4"), 0.1),             # a number used twice
+    (ans("8 * 4"), 0.1),                       # intermediate value instead of the numbers
+    (ans("(3 + 5) ** 4"), 0.1),
+    (ans("(3 + 5) // 4 * 4"), 0.1),
+    (ans("(3 + 5) % 4"), 0.1),
+    (ans("(3.0 + 5) * 4"), 0.1),               # decimals
+    (ans("(3 + 5) x 4"), 0.1),                 # names
+    (ans("(3 + 5) × 4"), 0.1),                 # only ASCII operators
+    (ans("abs(3 + 5) * 4"), 0.1),              # calls
+    (ans("(3 + 5)(4)"), 0.1),                  # implicit multiplication
+    (ans("+3 + 5 * 4"), 0.1),                  # no unary plus
+    (ans("(3 + 5 * 4"), 0.1),                  # unbalanced
+    (ans("3 + 5) * 4"), 0.1),
+    (ans("()3 + 5 * 4"), 0.1),
+    (ans(""), 0.1),
+    (ans("   "), 0.1),
+    (ans("3 + 5 * 4 -"), 0.1),
+    (ans("3 5 4"), 0.1),
+    (ans("__import__('os')"), 0.1),
+])
+def test_score_table(response, expected):
+    assert V.score(response, NUMS, TARGET) == expected
+
+
+@pytest.mark.parametrize("expr, nums, target, expected", [
+    ("4 / (1 - 5 / 6)", [4, 1, 5, 6], 24, 1.0),   # exact fractions: 4 / (1/6) = 24, floats would miss
+    ("6 / (1 - 3 / 4)", [6, 1, 3, 4], 24, 1.0),
+    ("(1 + 2) / (3 - 3)", [1, 2, 3, 3], 0, 0.1),  # division by zero
+    ("7 / 2 * 2", [7, 2, 2], 7, 1.0),
+    ("7 / 2", [7, 2], 3, 0.1),                     # no integer division
+    ("-5 + 3 + 12", [5, 3, 12], 10, 1.0),
+    ("2 - 3 - 4", [2, 3, 4], -5, 1.0),             # left-associative
+    ("2 - (3 - 4)", [2, 3, 4], 3, 1.0),
+    ("2 * 3 + 4", [2, 3, 4], 10, 1.0),             # precedence
+    ("2 + 3 * 4", [2, 3, 4], 14, 1.0),
+    ("48 / 4 / 2", [48, 4, 2], 6, 1.0),
+])
+def test_score_arithmetic(expr, nums, target, expected):
+    assert V.score(ans(expr), nums, target) == expected
+
+
+def test_extract_answer():
+    assert V.extract_answer("a <answer> x </answer> b <answer>y</answer>") == "y"
+    assert V.extract_answer("<answer>y") is None
+    assert V.extract_answer("no tags") is None
+
+
+ADVERSARIAL = [
+    ans("(" * 5000 + "3 + 5" + ")" * 5000 + " * 4"),
+    ans("(" * 5000 + "3 + 5 * 4"),
+    ans("-" * 100_000 + "3"),
+    ans("9**9**9**9"),
+    ans("9" * 100_000),
+    ans("1" * 4301 + " + 5 * 4"),  # longer than Python's int-parsing digit limit
+    ans(" + ".join(["3"] * 30_000)),
+    ans("3 + 5 * 4" + " " * 100_000),
+    "<answer>" * 50_000 + "</answer>" * 50_000,
+    ans("\x00\uffff" * 1000),
+]
+
+
+@pytest.mark.parametrize("response", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
+def test_adversarial_inputs_are_fast_and_safe(response):
+    for fn in (V.score, V.dense_score):
+        t = time.perf_counter()
+        result = fn(response, NUMS, TARGET)
+        assert time.perf_counter() - t < 0.05
+        assert result in (0.0, 0.1, 1.0) or 0.1 <= result <= 0.6
+
+
+def test_deep_but_valid_nesting_still_scores():
+    assert V.score(ans("(" * 5000 + "3 + 5" + ")" * 5000 + " * 4"), NUMS, TARGET) == 1.0
+
+
+def test_dense_score():
+    assert V.dense_score("no answer", NUMS, TARGET) == 0.0
+    assert V.dense_score(ans("(3 + 5) * 4"), NUMS, TARGET) == 1.0
+    assert V.dense_score(ans("8 * 4"), NUMS, TARGET) == 0.1                      # not the given numbers
+    assert V.dense_score(ans("3 + 5 + 4"), NUMS, TARGET) == pytest.approx(0.1 + 0.5 * (1 - 20 / 32))
+    assert V.dense_score(ans("3 - 5 - 4"), NUMS, TARGET) == pytest.approx(0.1)  # |v - t| >= |t|: floor
+    assert V.dense_score(ans("3 - 5 * 4"), [3, 5, 4], 0) == pytest.approx(0.1)  # target 0: divide by 1
+
+
+def test_dense_score_monotone_in_distance():
+    nums = [2, 3, 7]
+    exprs = ["2 + 3 + 7", "2 * 3 + 7", "2 * 3 * 7", "(2 + 3) * 7", "7 - 3 - 2", "7 * 3 - 2", "7 / 2 + 3"]
+    for target in (10, 20, 40):
+        pairs = sorted((abs(V.evaluate_expression(e, nums) - target), V.dense_score(ans(e), nums, target)) for e in exprs)
+        for (d1, s1), (d2, s2) in zip(pairs, pairs[1:]):
+            assert s1 >= s2 if d1 <= d2 else True
+        assert all(0.1 <= s <= 1.0 for _, s in pairs)
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return V.generate_splits({"test": 1000}, seed=7)["test"]
+
+
+def test_every_solver_answer_scores_one(problems):
+    assert len(problems) == 1000
+    for p in problems:
+        expr = V.solve(p["nums"], p["target"])
+        assert expr is not None and V.score(ans(expr), p["nums"], p["target"]) == 1.0
+
+
+def test_solve_unsolvable_returns_none():
+    assert V.solve([1, 1, 1], 100) is None
+    assert V.solve([2, 2], 5) is None
+
+
+def test_generator_distribution_and_determinism(problems):
+    assert problems[:50] == V.generate_splits({"test": 50}, seed=7)["test"]
+    assert {len(p["nums"]) for p in problems} == {3, 4}
+    assert all(1 <= x <= 99 for p in problems for x in p["nums"]) and all(10 <= p["target"] <= 100 for p in problems)
+    keys = {(tuple(sorted(p["nums"])), p["target"]) for p in problems}
+    assert len(keys) == len(problems)
+
+
+def test_splits_are_disjoint_and_stable():
+    a = V.generate_splits({"test": 100, "val": 50, "train": 300}, seed=1, num_numbers=(3,), num_range=(1, 9))
+    b = V.generate_splits({"test": 100, "val": 50, "train": 600}, seed=1, num_numbers=(3,), num_range=(1, 9))
+    assert a["test"] == b["test"] and a["val"] == b["val"]
+    keys = {name: {(tuple(sorted(p["nums"])), p["target"]) for p in rows} for name, rows in a.items()}
+    assert not keys["test"] & keys["train"] and not keys["test"] & keys["val"] and not keys["val"] & keys["train"]
+    assert all(len(p["nums"]) == 3 and max(p["nums"]) <= 9 for p in a["train"])
+
+
+def test_small_problem_space_runs_dry_instead_of_hanging():
+    out = V.generate_splits({"test": 10, "train": 10**6}, seed=0, num_numbers=(2,), num_range=(1, 3), target_range=(1, 10))
+    assert len(out["test"]) == 10 and 0 < len(out["train"]) < 50
+
+
+@pytest.mark.parametrize("dead_ends", [0, 3])
+def test_traces_end_in_a_verified_answer(problems, dead_ends):
+    rng = random.Random(0)
+    for p in problems[:200]:
+        trace = V.make_trace(p["nums"], p["target"], rng, max_dead_ends=dead_ends)
+        assert trace.count("</think>") == 1 and trace.rstrip().endswith("</answer>")
+        assert V.score(trace, p["nums"], p["target"]) == 1.0
+        if dead_ends == 0:
+            assert "back." not in trace
+    assert V.make_trace([1, 1, 1], 100) is None
+
+
+def test_trace_arithmetic_is_right():
+    trace = V.make_trace([7, 4, 5], 55, random.Random(1), max_dead_ends=3)
+    for line in trace.split("\n")[:-2]:
+        for step in line.split(". "):
+            if "=" in step:
+                lhs, rhs = step.split("=")
+                a, op, b = lhs.split()
+                value = {"+": Fraction(a) + Fraction(b), "-": Fraction(a) - Fraction(b), "*": Fraction(a) * Fraction(b),
+                         "/": Fraction(a) / Fraction(b)}[op]
+                assert value == Fraction(rhs.split(",")[0].strip(" ."))
+
+
+def test_operator_flip_negatives_never_score_one(problems):
+    rng, made = random.Random(0), 0
+    for p in problems:
+        expr = V.solve(p["nums"], p["target"])
+        neg = V.flip_operator(expr, p["nums"], p["target"], rng)
+        if neg is None:
+            continue
+        made += 1
+        assert V.score(ans(neg), p["nums"], p["target"]) == 0.1
+        assert sum(a != b for a, b in zip(neg, expr)) == 1 and len(neg) == len(expr)
+    assert made > 900
+
+
+def test_flip_skips_unary_minus():
+    assert V.flip_operator("-3 + 5", [3, 5], 2, random.Random(0)) in ("-3 - 5", "-3 * 5", "-3 / 5")
