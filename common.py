@@ -1,6 +1,6 @@
-"""Plumbing every script shares. Nothing here knows about any one algorithm: args, seeding, devices,
+"""Plumbing every script shares; nothing here knows about any one algorithm: args, seeding, devices,
 models and tokenizers (hub, local dir, or the embedded `tiny` one), tasks and prompts, tokenization
-with response masks, chunked log-probs / entropy / KL, the sampler (HF and vLLM), checkpoints, logs."""
+with response masks, chunked log-probs / entropy / KL, the HF sampler (vLLM: vllm_sampler.py), logs."""
 import argparse
 import dataclasses
 import functools
@@ -32,8 +32,7 @@ def arg(default, help):
 
 
 def parse_args(cls, argv=None):
-    """argparse built from an Args dataclass; `--foo_bar` and `--foo-bar` both work, bools get
-    `--flag/--no-flag`."""
+    """argparse from an Args dataclass: `--foo_bar` and `--foo-bar` both work, bools get --x/--no-x."""
     doc = (sys.modules[cls.__module__].__doc__ or "").strip()
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
@@ -111,13 +110,13 @@ def load_records(source, split, required):
     """Rows from a local .jsonl file, or a hub dataset's split (the `datasets` import is lazy)."""
     if source.endswith(".jsonl") or os.path.exists(source):
         return read_jsonl(source, required)
-    hint = "The embedded alternative needs no hub: --data gen (see README)"
+    hint = " The embedded alternative needs no hub: --data gen (see README)"
     _check_hub(f"dataset '{source}'", hint)
     try:
         import datasets
         ds = datasets.load_dataset(source, split=split)
     except Exception as e:  # unknown name, no such split, no access: all end the same way for a user
-        raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}: {e}). {hint}") from None
+        raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}: {e}).{hint}") from None
     missing = [k for k in required if k not in ds.column_names]
     if missing:
         raise CountdownError(f"dataset '{source}' has no column(s) {missing}; it has {ds.column_names}")
@@ -125,8 +124,7 @@ def load_records(source, split, required):
 
 
 def _check_hub(what, hint):
-    """Fail in seconds, not after huggingface_hub's minute of retries, when the hub is unreachable.
-    With HF_HUB_OFFLINE=1 set we skip the probe and let the libraries read their local cache."""
+    """Fail in seconds, not after huggingface_hub's minute of retries (HF_HUB_OFFLINE=1: use the cache)."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
         return
     host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
@@ -134,7 +132,7 @@ def _check_hub(what, hint):
         socket.create_connection((host, 443), timeout=5).close()
     except OSError:
         raise CountdownError(f"cannot reach {host} to fetch {what} (offline? if it is in your HF cache, "
-                             f"set HF_HUB_OFFLINE=1). {hint}") from None
+                             f"set HF_HUB_OFFLINE=1).{hint}") from None
 
 
 GEN_DEFAULTS = {"nums": "3-4", "range": "1-99", "target": "10-100", "test": "500", "val": "200", "seed": "0"}
@@ -142,43 +140,36 @@ HUB_HELD_OUT = 1000  # Countdown-Tasks-3to4 has only a train split: its last row
 
 
 def load_tasks(data, split, n=None):
-    """Countdown tasks {"nums", "target"} for split train|val|test from one of:
+    """Countdown tasks {"nums", "target"} of split train|val|test (first n) from one of:
     `gen[:key=value,...]`  the generator; keys nums=3-4 range=1-99 target=10-100 test=500 val=200
                            seed=0 (the seed belongs to the data, so every script sees one test set);
     `path.jsonl`           a file with nums/target per line (the file is the split);
-    `owner/name`           a hub dataset; for one with only `train` (Countdown-Tasks-3to4) the last
-                           1,000 rows are held out: 500 val, then 500 test."""
+    `owner/name`           a hub dataset: its train split minus the last 1,000 rows (500 val, 500 test)."""
     if split not in ("train", "val", "test"):
         raise CountdownError(f"unknown split '{split}': use train, val or test")
     if data == "gen" or data.startswith("gen:"):
-        kv = dict(GEN_DEFAULTS)
         try:
-            for item in filter(None, data[4:].split(",")):
-                key, value = item.split("=")
-                assert key in kv
-                kv[key] = value
-            span = {k: [int(x) for x in kv[k].split("-")] * (2 - kv[k].count("-")) for k in ("nums", "range", "target")}
+            kv = dict(GEN_DEFAULTS, **dict(item.split("=") for item in data[4:].split(",") if item))
+            assert set(kv) == set(GEN_DEFAULTS)
+            span = {k: (int(kv[k].split("-")[0]), int(kv[k].split("-")[-1])) for k in ("nums", "range", "target")}
             sizes = {"test": int(kv["test"]), "val": int(kv["val"]), "train": n or 10_000}
         except (ValueError, AssertionError):
-            raise CountdownError(f"bad --data '{data}': expected gen:key=value,... with keys {sorted(kv)}, "
-                                 "spans like nums=3-4 or nums=3") from None
+            raise CountdownError(f"bad --data '{data}': expected gen:key=value,... with keys {sorted(GEN_DEFAULTS)} "
+                                 "and spans like nums=3-4 or nums=3") from None
         sizes = dict(list(sizes.items())[: list(sizes).index(split) + 1])  # don't generate what isn't asked
         rows = verifier.generate_splits(sizes, int(kv["seed"]), tuple(range(span["nums"][0], span["nums"][1] + 1)),
-                                        tuple(span["range"]), tuple(span["target"]))[split]
+                                        span["range"], span["target"])[split]
     else:
         rows = load_records(data, "train", ["nums", "target"])
         if not os.path.exists(data):  # a hub dataset: carve the held-out rows off its only split
-            rows = {"train": rows[:-HUB_HELD_OUT], "val": rows[-HUB_HELD_OUT:-HUB_HELD_OUT // 2],
-                    "test": rows[-HUB_HELD_OUT // 2:]}[split]
-    tasks = []
-    for i, r in enumerate(rows[:n] if n else rows, 1):
-        nums, target = r["nums"], r["target"]
-        if not (isinstance(nums, list) and nums and all(isinstance(x, int) for x in nums) and isinstance(target, int)):
-            raise CountdownError(f"{data} row {i}: nums must be a list of ints and target an int, got {nums!r}, {target!r}")
-        tasks.append({"nums": list(nums), "target": target})
-    if not tasks:
+            h = HUB_HELD_OUT
+            rows = {"train": rows[:-h], "val": rows[-h:-h // 2], "test": rows[-h // 2:]}[split]
+    for i, r in enumerate(rows, 1):
+        if not (isinstance(r["nums"], list) and r["nums"] and all(type(x) is int for x in r["nums"]) and type(r["target"]) is int):
+            raise CountdownError(f"{data} row {i}: nums must be a list of ints and target an int, got {r['nums']!r}, {r['target']!r}")
+    if not rows:
         raise CountdownError(f"no tasks in {data} ({split})")
-    return tasks
+    return [{"nums": list(r["nums"]), "target": r["target"]} for r in rows[:n]]
 
 
 # ---- models and tokenizers -----------------------------------------------------------------------
@@ -226,14 +217,14 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
             raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the --output_dir of a finished run")
     elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         raise CountdownError(f"no such checkpoint dir: {name}")
-    hint = "The embedded alternative needs no hub: --model tiny (see README)"
-    if not os.path.exists(name):
+    hint = "" if os.path.exists(name) else " The embedded alternative needs no hub: --model tiny (see README)"
+    if hint:
         _check_hub(f"model '{name}'", hint)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     except OSError as e:
-        raise CountdownError(f"could not load {name}: {e}" + ("" if os.path.exists(name) else f" {hint}")) from None
+        raise CountdownError(f"could not load {name}: {e}{hint}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # Qwen base: pad == eos, so masks come from lengths
     return model, tokenizer
@@ -253,19 +244,15 @@ def save_checkpoint(model, tokenizer, output_dir):
 
 # ---- tokenization with response masks ------------------------------------------------------------
 def pack(prompt_ids, response_ids, pad_id):
-    """Right-padded batch from token-id lists. response_mask marks the response tokens (EOS included,
-    if the response has one); prompt and padding are 0. Masks come from lengths, never from comparing
-    ids to pad_id, because for Qwen pad == eos."""
-    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
-    T = max(map(len, seqs))
-    input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    response_mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, (p, s) in enumerate(zip(prompt_ids, seqs)):
-        input_ids[i, :len(s)] = torch.tensor(s)
-        attention_mask[i, :len(s)] = 1
-        response_mask[i, len(p):len(s)] = 1
-    return input_ids, attention_mask, response_mask
+    """Right-padded (B, T) input_ids, attention_mask, response_mask from token-id lists. The response
+    mask covers the response tokens, EOS included if the response has one; prompt and padding are 0.
+    Masks come from lengths, never from `ids != pad_id`: for Qwen pad == eos."""
+    seqs = [torch.tensor(p + r, dtype=torch.long) for p, r in zip(prompt_ids, response_ids)]
+    input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)        # (B, T)
+    pos = torch.arange(input_ids.shape[1])
+    ends = torch.tensor([len(s) for s in seqs])[:, None]
+    starts = torch.tensor([len(p) for p in prompt_ids])[:, None]
+    return input_ids, (pos < ends).long(), ((pos >= starts) & (pos < ends)).long()
 
 
 def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_response_len=1024):
@@ -299,12 +286,10 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
 
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False, teacher=None,
                 kd_temperature=1.0, chunk_size=512):
-    """Per-token statistics of the next-token predictions at the positions where `mask` (B, T) is 1:
-    logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at `temperature`, and with a `teacher` the
-    forward KL (B, T-1) at `kd_temperature` over the shared vocab (padding may differ: 151,936 vs
-    152,064, so both heads are cut to the smaller). Zeros where mask is 0. Hidden states are computed
-    once; the lm_head runs on chunks of `chunk_size` positions, so memory scales with the chunk, not
-    with B x T x V, in forward and (through checkpointing) in backward."""
+    """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at `temperature`;
+    with a `teacher`, forward KL (B, T-1) at `kd_temperature` over the shared vocab (Qwen pads 151,936
+    vs 152,064: cut to the smaller). Zeros elsewhere. The lm_head runs on `chunk_size` positions at a
+    time, so memory scales with the chunk, not B x T x V, in forward and (checkpointed) backward."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     h = hidden[:, :-1][sel]                                                              # (N, H)
@@ -320,11 +305,9 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
         c = slice(s, s + chunk_size)
         args = (h[c], weight, targets[c], temperature, entropy, None if t_h is None else t_h[c], t_weight, kd_temperature)
         outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_stats(*args))
-    stats = {}
-    for k, name in enumerate(("logp", "entropy", "kl")):
-        full = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
-        stats[name] = full.masked_scatter(sel, torch.cat([o[k] for o in outs])) if outs else full
-    return stats
+    cat = lambda k: torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)  # noqa: E731
+    return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
+            for k, name in enumerate(("logp", "entropy", "kl"))}
 
 
 # ---- sampling ------------------------------------------------------------------------------------
@@ -371,10 +354,9 @@ class HFSampler:
         self.model.eval()
         out_ids, out_lp, finished = [], [], []
         for s in range(0, len(rows), self.batch_size):
-            ids, lps, done = self._batch(rows[s:s + self.batch_size], temperature, top_p, top_k, max_new_tokens, gen)
-            out_ids += ids
-            out_lp += lps
-            finished += done
+            for acc, new in zip((out_ids, out_lp, finished), self._batch(rows[s:s + self.batch_size], temperature, top_p,
+                                                                        top_k, max_new_tokens, gen)):
+                acc += new
         self.model.train(was_training)
         texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id] for ids in out_ids])
         return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
@@ -409,40 +391,6 @@ class HFSampler:
         lengths = alive.sum(1).tolist()
         ids = [t[:k] for t, k in zip(toks.tolist(), lengths)]
         return ids, [lp[:k] for lp, k in zip(lps.tolist(), lengths)], [bool(x) for x in done.tolist()]
-
-
-class VLLMSampler:
-    """Colocated vLLM engine for GPU runs. Pinned to vllm==0.10.2 (README); vLLM ships CUDA wheels only,
-    so this class has never run on the CPU machines this repo is developed and tested on."""
-
-    def __init__(self, model_dir, tokenizer, gpu_memory_utilization=0.3, max_model_len=2048, seed=0):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: weights reachable
-        from vllm import LLM
-        self.tok = tokenizer
-        self.llm = LLM(model=model_dir, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                       dtype="bfloat16", max_model_len=max_model_len, seed=seed)
-
-    def sync(self, model):
-        """Copy the trainer's current weights into the engine (the vLLM 0.10 in-process path TRL uses)."""
-        engine_model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        engine_model.load_weights(model.state_dict().items())
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-
-    def sleep(self):
-        self.llm.sleep(level=1)  # weights to CPU, KV cache freed: the optimizer step gets the memory
-
-    def wake(self):
-        self.llm.wake_up()
-
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
-        from vllm import SamplingParams
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                                max_tokens=max_new_tokens, seed=seed, logprobs=0)  # raw logprobs by default
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        comps = [c for o in outs for c in o.outputs]
-        return Rollouts([list(o.prompt_token_ids) for o in outs], [list(c.token_ids) for c in comps],
-                        [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
-                        [c.text for c in comps], [c.finish_reason == "stop" for c in comps])
 
 
 # ---- logging -------------------------------------------------------------------------------------

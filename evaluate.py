@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import comb
 
-from common import CountdownError, HFSampler, VLLMSampler, arg, cli, device_and_dtype, load_model, load_tasks, \
+from common import CountdownError, HFSampler, arg, cli, device_and_dtype, load_model, load_tasks, \
     make_prompt, parse_args, read_jsonl, seed_everything
 from verifier import score
 
@@ -152,8 +152,11 @@ def main():
     device, dtype = device_and_dtype()
     model, tokenizer = load_model(args.model, device, dtype)
     tasks = load_tasks(args.data, args.split, args.num_problems)
-    sampler = VLLMSampler(args.model, tokenizer, seed=args.seed) if args.backend == "vllm" else \
-        HFSampler(model, tokenizer, args.batch_size)
+    if args.backend == "vllm":
+        from vllm_sampler import VLLMSampler  # CUDA only: imported here so CPU runs never touch it
+        sampler = VLLMSampler(args.model, tokenizer, seed=args.seed)
+    else:
+        sampler = HFSampler(model, tokenizer, args.batch_size)
     summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature, args.top_p, args.top_k,
                                 args.max_new_tokens, args.template, args.seed, sampler)
     if args.out:
