@@ -2,6 +2,7 @@
 models and tokenizers (hub, local dir, or the embedded `tiny` one), tasks and prompts, tokenization
 with response masks, chunked log-probs / entropy / KL, the HF sampler (vLLM: vllm_sampler.py), logs."""
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -63,6 +64,12 @@ def seed_everything(seed):
 def device_and_dtype():
     """bf16 on a GPU (what the papers trained in), fp32 on CPU (bf16 matmuls are slow there)."""
     return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+
+
+def autocast(device):
+    """Training keeps fp32 master weights and optimizer state and computes in bf16 on a GPU: a bf16
+    AdamW update of lr 1e-6 would round away. On CPU, plain fp32."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
 
 
 # ---- prompts and tasks ---------------------------------------------------------------------------
@@ -208,7 +215,7 @@ def build_tiny_model(tokenizer, **overrides):
 
 def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     """(model, tokenizer) from `tiny` (new, from scratch), a checkpoint dir, or a hub name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     if name == "tiny":
         tokenizer = build_tiny_tokenizer()
         return build_tiny_model(tokenizer, **tiny_overrides).to(device, dtype), tokenizer
@@ -220,8 +227,12 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     hint = "" if os.path.exists(name) else " The embedded alternative needs no hub: --model tiny (see README)"
     if hint:
         _check_hub(f"model '{name}'", hint)
+    # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would drop the
+    # tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed one as saved.
+    tok_cfg = os.path.join(name, "tokenizer_config.json")
+    plain = os.path.isfile(tok_cfg) and json.load(open(tok_cfg)).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = (PreTrainedTokenizerFast if plain else AutoTokenizer).from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     except OSError as e:
         raise CountdownError(f"could not load {name}: {e}{hint}") from None
@@ -269,11 +280,13 @@ def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_respon
 
 # ---- log-probs, entropy and KL without the B x T x V wall ----------------------------------------
 def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature):
-    """Log-prob of `targets`, entropy, and forward KL(teacher || model) for one chunk of N positions.
-    Only this chunk's (N, V) logits ever exist; checkpoint() recomputes them in backward."""
+    """Log-prob of `targets`, entropy, forward KL(teacher || model) and whether the target is the
+    argmax, for one chunk of N positions. Only this chunk's (N, V) logits ever exist; checkpoint()
+    recomputes them in backward."""
     logits = F.linear(h, weight).float()                                                 # (N, V)
     logp_all = torch.log_softmax(logits / temperature, -1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)                             # (N,)
+    correct = (logits.argmax(-1) == targets).float()
     entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
     kl = torch.zeros_like(logp)
     if t_h is not None:  # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab
@@ -281,15 +294,16 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
             t_logp = torch.log_softmax(F.linear(t_h, t_weight).float() / kd_temperature, -1)   # (N, V')
         s_logp = torch.log_softmax(logits[:, : t_logp.shape[-1]] / kd_temperature, -1)
         kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-    return logp, entropy, kl
+    return logp, entropy, kl, correct
 
 
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False, teacher=None,
                 kd_temperature=1.0, chunk_size=512):
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at `temperature`;
     with a `teacher`, forward KL (B, T-1) at `kd_temperature` over the shared vocab (Qwen pads 151,936
-    vs 152,064: cut to the smaller). Zeros elsewhere. The lm_head runs on `chunk_size` positions at a
-    time, so memory scales with the chunk, not B x T x V, in forward and (checkpointed) backward."""
+    vs 152,064: cut to the smaller); `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head
+    runs on `chunk_size` positions at a time, so memory scales with the chunk, not B x T x V, in
+    forward and (checkpointed) backward."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     h = hidden[:, :-1][sel]                                                              # (N, H)
@@ -307,7 +321,7 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
         outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_stats(*args))
     cat = lambda k: torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)  # noqa: E731
     return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
-            for k, name in enumerate(("logp", "entropy", "kl"))}
+            for k, name in enumerate(("logp", "entropy", "kl", "correct"))}
 
 
 # ---- sampling ------------------------------------------------------------------------------------
@@ -394,8 +408,8 @@ class HFSampler:
 
 
 # ---- logging -------------------------------------------------------------------------------------
-CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc", "eval/pass@1": "pass@1",
-           "train/resp_len": "len", "time/step": "s"}
+CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc", "train/token_acc": "tok_acc",
+           "eval/loss": "eval_loss", "eval/pass@1": "pass@1", "train/resp_len": "len", "time/step": "s"}
 
 
 class Logger:

@@ -175,6 +175,8 @@ def test_checkpoint_round_trip(tiny, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
     assert tok2.get_vocab() == tok.get_vocab() and tok2.eos_token_id == tok.eos_token_id
+    text = C.make_prompt([3, 17, 9], 21, "compact") + V.make_trace([3, 7, 9], 21, max_dead_ends=2)
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"]  # same pre-tokenizer after the round trip
 
 
 def test_clear_errors_for_bad_models_and_data(tmp_path, monkeypatch):

@@ -1,0 +1,116 @@
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common as C
+import ipo
+import sft
+import verifier as V
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEN = "gen:nums=3,range=1-9,test=20,val=8"
+FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
+        "--eval_max_new_tokens", "8", "--micro_batch", "4"]
+
+
+def run(script, *args):
+    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True)
+    return r
+
+
+def test_sft_loss_counts_response_tokens_only():
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert sft.sft_loss(logp, mask).item() == 2 + 3 + 4
+
+
+def test_ipo_loss_hand_computed():
+    w, l, rw, rl = torch.tensor([-1.0, -3.0]), torch.tensor([-3.0, -1.0]), torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0])
+    loss, h = ipo.ipo_loss(w, l, rw, rl, beta=0.1)
+    assert h.tolist() == [2.0, -2.0]                     # (−1+2) − (−3+2) = 2
+    assert loss.tolist() == [9.0, 49.0]                  # (2 − 5)², (−2 − 5)²
+    loss, h = ipo.ipo_loss(rw, rl, rw, rl, beta=0.05)    # policy == reference: h = 0, loss = 10²
+    assert h.tolist() == [0.0, 0.0] and loss.tolist() == [100.0, 100.0]
+
+
+def test_length_norm_and_rpo_anchor():
+    logp = torch.tensor([[-1.0, -1.0, -4.0], [-2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert ipo.sequence_logp(logp, mask, False).tolist() == [-6.0, -2.0]
+    assert ipo.sequence_logp(logp, mask, True).tolist() == [-2.0, -2.0]
+    assert ipo.rpo_nll(logp, mask).tolist() == [2.0, 2.0]
+
+
+def test_solver_pairs_are_verified_and_hard():
+    args = SimpleNamespace(pairs="solver", data=GEN, num_prompts=20, template="compact", seed=0)
+    pairs, report = ipo.build_pairs(args, None, None)
+    tasks = C.load_tasks(GEN, "train", 20)
+    assert len(pairs) >= 18 and "solver pairs" in report
+    for (p, chosen, rejected), t in zip(pairs, tasks):
+        assert V.score(chosen, t["nums"], t["target"]) == 1.0 and V.score(rejected, t["nums"], t["target"]) == 0.1
+        assert chosen.split("<answer>")[0] == rejected.split("<answer>")[0]  # same trace, other answer
+
+
+@pytest.fixture(scope="module")
+def sft_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    r = run("sft.py", "--model", "tiny", *FAST, "--batch_size", "8", "--max_steps", "2", "--lr", "1e-3",
+            "--output_dir", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_sft_two_steps_writes_a_checkpoint(sft_ckpt):
+    assert {"config.json", "model.safetensors", "tokenizer.json", "args.json", "metrics.jsonl"} <= set(os.listdir(sft_ckpt))
+    rows = [json.loads(x) for x in open(sft_ckpt / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert {"train/loss", "train/token_acc", "train/lr", "train/grad_norm", "time/tokens_per_s", "eval/loss",
+            "eval/pass@1", "eval/pass@2"} <= set(rows[-1])
+
+
+def test_ipo_chains_from_sft_and_keeps_the_reference_frozen(sft_ckpt, tmp_path):
+    init, _ = C.load_model(str(sft_ckpt))
+    model, ref = ipo.main(["--init", str(sft_ckpt), *FAST, "--pairs", "solver", "--num_prompts", "16", "--batch_size", "8",
+                           "--lr", "1e-3", "--heldout", "0.25", "--output_dir", str(tmp_path / "ipo")])
+    for (name, p0), p_ref, p in zip(init.named_parameters(), ref.parameters(), model.parameters()):
+        assert torch.equal(p0, p_ref), name
+    assert any(not torch.equal(p0, p) for p0, p in zip(init.parameters(), model.parameters()))
+    rows = [json.loads(x) for x in open(tmp_path / "ipo" / "metrics.jsonl")]
+    assert rows[0]["step"] == 0 and rows[0]["eval/pref_acc"] == 0.5 and rows[0]["eval/margin"] == 0.0
+    assert {"train/loss", "train/pref_acc", "train/margin", "train/chosen_delta", "train/rejected_delta"} <= set(rows[-1])
+    assert os.path.isfile(tmp_path / "ipo" / "config.json")
+
+
+def test_ipo_onpolicy_subprocess(sft_ckpt, tmp_path):
+    r = run("ipo.py", "--init", str(sft_ckpt), *FAST, "--num_prompts", "8", "--group_size", "2", "--max_new_tokens", "4",
+            "--output_dir", str(tmp_path / "ipo"))
+    # a 2-step SFT model never solves anything, so on-policy pairing must say so clearly
+    assert r.returncode == 2 and "no training pairs (0 on-policy pairs from 8 prompts x 2 samples)" in r.stderr
+
+
+def test_clear_errors_for_datasets_without_expected_fields(sft_ckpt, tmp_path):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "p", "chosen": "c"}\n')
+    r = run("ipo.py", "--init", str(sft_ckpt), *FAST, "--pairs", str(bad), "--output_dir", str(tmp_path / "x"))
+    assert r.returncode == 2 and "pairs.jsonl:1: missing field(s) ['rejected']" in r.stderr
+    bad.write_text('{"prompt": "p", "response": "c"}\n')
+    r = run("sft.py", "--model", "tiny", "--data", str(bad), "--output_dir", str(tmp_path / "y"))
+    assert r.returncode == 2 and "missing field(s) ['query', 'completion']" in r.stderr
+    r = run("sft.py", "--model", "tiny", *FAST, "--batch_size", "6", "--micro_batch", "4", "--output_dir", str(tmp_path / "z"))
+    assert r.returncode == 2 and "not a multiple" in r.stderr
+
+
+def test_sft_on_a_query_completion_file(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    tasks = C.load_tasks(GEN, "train", 8)
+    data.write_text("".join(json.dumps({"query": C.make_prompt(t["nums"], t["target"], "compact"),
+                                        "completion": V.make_trace(t["nums"], t["target"])}) + "\n" for t in tasks))
+    model = sft.main(["--model", "tiny", "--data", str(data), "--eval_data", GEN, "--template", "compact", "--batch_size", "4",
+                      "--micro_batch", "2", "--max_steps", "1", "--eval_problems", "2", "--eval_samples", "1",
+                      "--eval_max_new_tokens", "4", "--output_dir", str(tmp_path / "out")])
+    assert model is not None and os.path.isfile(tmp_path / "out" / "model.safetensors")
