@@ -298,12 +298,12 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
 
 
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False, teacher=None,
-                kd_temperature=1.0, chunk_size=512):
+                kd_temperature=1.0, chunk_size=None):
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at `temperature`;
     with a `teacher`, forward KL (B, T-1) at `kd_temperature` over the shared vocab (Qwen pads 151,936
     vs 152,064: cut to the smaller); `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head
-    runs on `chunk_size` positions at a time, so memory scales with the chunk, not B x T x V, in
-    forward and (checkpointed) backward."""
+    runs on `chunk_size` positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so
+    memory scales with the chunk, not B x T x V, in forward and (checkpointed) backward."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     h = hidden[:, :-1][sel]                                                              # (N, H)
@@ -314,11 +314,13 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
         with torch.no_grad():
             t_h = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1][sel]
             t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
+    chunk_size = chunk_size or max(1, 2**26 // weight.shape[0])
+    recompute = torch.is_grad_enabled() and h.shape[0] > chunk_size  # one chunk: nothing to save by recomputing
     outs = []
     for s in range(0, h.shape[0], chunk_size):
         c = slice(s, s + chunk_size)
         args = (h[c], weight, targets[c], temperature, entropy, None if t_h is None else t_h[c], t_weight, kd_temperature)
-        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_stats(*args))
+        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
     cat = lambda k: torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)  # noqa: E731
     return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
             for k, name in enumerate(("logp", "entropy", "kl", "correct"))}

@@ -72,7 +72,10 @@ def summarize(records):
         cs = [c for c, r in zip(correct, records) if len(r["nums"]) == size]
         by_size[str(size)] = {"num_problems": len(cs), "pass_at_k": pass_table(cs)}
     scores = [s for r in records for s in r["scores"]]
+    p1 = [c / n for c in correct]  # per-problem pass@1; its standard error is the ± of the headline number
+    se = (sum((x - sum(p1) / len(p1)) ** 2 for x in p1) / max(len(p1) - 1, 1) / len(p1)) ** 0.5
     return {"num_problems": len(records), "num_samples": n, "pass_at_k": pass_table(correct), "by_size": by_size,
+            "pass_at_1_stderr": se,
             "format_rate": sum(s > 0 for s in scores) / len(scores),
             "best_of_n": {"accuracy": sum(c > 0 for c in correct) / len(correct),
                           "avg_samples": sum(expected_samples(n, c, n) for c in correct) / len(correct)}}
@@ -103,7 +106,8 @@ def write_results(out, summary, records):
 
 def format_table(summary):
     pk = summary["pass_at_k"]
-    lines = [f"{summary['num_problems']} problems x {summary['num_samples']} samples | format rate "
+    lines = [f"{summary['num_problems']} problems x {summary['num_samples']} samples | pass@1 {pk['1']:.3f} ± "
+             f"{1.96 * summary['pass_at_1_stderr']:.3f} (95%) | format rate "
              f"{summary['format_rate']:.3f} | best-of-{summary['num_samples']} {summary['best_of_n']['accuracy']:.3f} "
              f"at {summary['best_of_n']['avg_samples']:.2f} samples/problem",
              "          " + "".join(f"{'pass@' + k:>10}" for k in pk),

@@ -170,13 +170,19 @@ def _steps_text(steps):
                     for a, op, b, v, rest in steps)
 
 
+@functools.lru_cache(maxsize=50_000)
+def _solutions(numbers, target):
+    """Up to 16 solver paths; cached because SFT writes a new trace for every problem every epoch."""
+    return list(itertools.islice(_search([(Fraction(n), str(n)) for n in numbers], target, True), 16))
+
+
 def make_trace(numbers, target, rng=None, max_dead_ends=0):
     """A Stream-of-Search-style trace, the text after the prompt's '<think>': up to `max_dead_ends`
     random tries computed to the end and abandoned ('Not T, back.'), then one of the solver's paths,
     then '</think>' and the answer. None if the problem has no solution."""
     rng = rng or random.Random(0)
     items = [(Fraction(n), str(n)) for n in numbers]
-    solutions = list(itertools.islice(_search(items, target, True), 64))
+    solutions = _solutions(tuple(numbers), target)
     if not solutions:
         return None
     lines = []

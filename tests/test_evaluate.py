@@ -4,7 +4,6 @@ import os
 import random
 import subprocess
 import sys
-from math import comb
 
 import pytest
 
@@ -51,6 +50,7 @@ def test_summarize_splits_and_best_of_n():
     assert s["pass_at_k"]["1"] == pytest.approx(0.125) and s["pass_at_k"]["4"] == 0.5
     assert s["by_size"]["3"]["pass_at_k"]["4"] == 1.0 and s["by_size"]["4"]["num_problems"] == 1
     assert s["format_rate"] == 7 / 8
+    assert s["pass_at_1_stderr"] == pytest.approx(0.125)  # per-problem 0.25 and 0: sd 0.177, / sqrt(2)
     assert s["best_of_n"] == {"accuracy": 0.5, "avg_samples": pytest.approx((E.expected_samples(4, 1, 4) + 4) / 2)}
 
 
@@ -61,7 +61,7 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     s = json.load(open(out / "summary.json"))
-    assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n"}
+    assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n", "pass_at_1_stderr"}
     assert s["num_problems"] == 6 and s["num_samples"] == 4 and set(s["pass_at_k"]) == {"1", "2", "4"}
     assert set(s["by_size"]) <= {"3", "4"} and set(s["best_of_n"]) == {"accuracy", "avg_samples"}
     rows = [json.loads(x) for x in open(out / "samples.jsonl")]
