@@ -216,6 +216,8 @@ def build_tiny_model(tokenizer, **overrides):
 def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     """(model, tokenizer) from `tiny` (new, from scratch), a checkpoint dir, or a hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # one console line per step: no "Loading weights" bars in between
     if name == "tiny":
         tokenizer = build_tiny_tokenizer()
         return build_tiny_model(tokenizer, **tiny_overrides).to(device, dtype), tokenizer

@@ -243,3 +243,10 @@ def test_cli_errors_are_one_line(tmp_path):
     r = subprocess.run([sys.executable, "evaluate.py", "--model", str(tmp_path / "nope")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no such checkpoint dir" in r.stderr
+
+
+@pytest.mark.parametrize("script", ["sft.py", "ipo.py", "evaluate.py"])
+def test_every_script_has_help(script):
+    r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "--output_dir" in r.stdout or "--out" in r.stdout
+    assert "usage:" in r.stdout and "(default:" in r.stdout
