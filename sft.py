@@ -82,7 +82,7 @@ def sft_data(args, split, n):
         rows = rows[:len(rows) - k] if split == "train" else rows[len(rows) - k:]
     else:
         rows = load_records(args.data, "train" if split == "train" else "test", ["query", "completion"])
-    rows = rows[:n]
+    rows = rows if split == "train" else rows[:n]  # all training rows; n caps the held-out set only
     return [r["query"] for r in rows], lambda rng: [r["completion"] for r in rows]
 
 

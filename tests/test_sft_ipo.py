@@ -105,12 +105,13 @@ def test_clear_errors_for_datasets_without_expected_fields(sft_ckpt, tmp_path):
     assert r.returncode == 2 and "not a multiple" in r.stderr
 
 
-def test_sft_on_a_query_completion_file(tmp_path):
+def test_sft_on_a_query_completion_file(tmp_path, capsys):
     data = tmp_path / "sft.jsonl"
-    tasks = C.load_tasks(GEN, "train", 8)
+    tasks = C.load_tasks(GEN, "train", 20)
     data.write_text("".join(json.dumps({"query": C.make_prompt(t["nums"], t["target"], "compact"),
                                         "completion": V.make_trace(t["nums"], t["target"])}) + "\n" for t in tasks))
     model = sft.main(["--model", "tiny", "--data", str(data), "--eval_data", GEN, "--template", "compact", "--batch_size", "4",
                       "--micro_batch", "2", "--max_steps", "1", "--eval_problems", "2", "--eval_samples", "1",
                       "--eval_max_new_tokens", "4", "--output_dir", str(tmp_path / "out")])
     assert model is not None and os.path.isfile(tmp_path / "out" / "model.safetensors")
+    assert "18 training examples" in capsys.readouterr().out  # a file's last rows (here 2) are held out
