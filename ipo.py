@@ -13,7 +13,7 @@ Departures from the paper:
 
 Real (1×H100):  python ipo.py --init out/sft --output_dir out/ipo
 CPU (embedded, ~2 minutes; what run_cpu.sh runs):
-  python ipo.py --init out/cpu/sft --data gen:nums=3,range=1-9,test=200,val=100 --eval_data gen:nums=3,range=1-9,test=200,val=100 \
+  python ipo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
       --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --num_prompts 1024 \
       --max_new_tokens 160 --batch_size 64 --micro_batch 32 --epochs 2 --output_dir out/cpu/ipo
 """

@@ -8,10 +8,10 @@ cd "$(dirname "$0")"
 OUT=${1:-out/cpu}
 mkdir -p "$OUT"
 
-# One problem distribution for every stage: 3 numbers in 1-9, targets 10-100 (1,345 problems in all).
-# Its 200 test problems are never trained on, periodic evals use the 100 val problems, and the
-# remaining 1,045 are the training split.
-DATA="gen:nums=3,range=1-9,test=200,val=100"
+# One problem distribution for every stage: 3 numbers in 1-20, targets 10-100. Its 200 test problems
+# are never trained on and periodic evals use the 100 val problems; training draws from the rest
+# (~12k). 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
+DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_max_new_tokens 160)
 
 stage() {  # stage NAME COMMAND...: run unless $OUT/NAME holds a finished checkpoint; record wall time
