@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import comb
 
-from common import CountdownError, HFSampler, arg, cli, device_and_dtype, load_model, load_tasks, \
+import torch
+
+from common import CountdownError, HFSampler, arg, autocast, cli, device_and_dtype, load_model, load_tasks, \
     make_prompt, parse_args, read_jsonl, seed_everything
 from verifier import score
 
@@ -94,6 +96,18 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
         records.append({"nums": t["nums"], "target": t["target"], "completions": texts,
                         "scores": [score(x, t["nums"], t["target"]) for x in texts]})
     return summarize(records), records
+
+
+def eval_metrics(model, tokenizer, tasks, args):
+    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the script's eval flags
+    (eval_samples, eval_max_new_tokens, template, seed) and the papers' fixed sampler."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), autocast(model.device.type):
+        summary, _ = evaluate(model, tokenizer, tasks, args.eval_samples, max_new_tokens=args.eval_max_new_tokens,
+                              template=args.template, seed=args.seed)
+    model.train(was_training)
+    return {"eval/format_rate": summary["format_rate"], **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()}}
 
 
 def write_results(out, summary, records):

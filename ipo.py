@@ -28,7 +28,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from common import CountdownError, HFSampler, Logger, arg, autocast, cli, load_model, load_records, load_tasks, \
     make_prompt, parse_args, save_checkpoint, seed_everything, token_stats, tokenize_pairs
-from evaluate import evaluate
+from evaluate import eval_metrics
 from verifier import dense_score, extract_answer, flip_operator, make_trace, score
 
 
@@ -168,13 +168,7 @@ def main(argv=None):
         return {f"eval/{k}": v / len(held) for k, v in sums.items()}
 
     def evaluation():
-        model.eval()
-        with torch.no_grad(), autocast(device):
-            summary, _ = evaluate(model, tok, eval_tasks, args.eval_samples, max_new_tokens=args.eval_max_new_tokens,
-                                  template=args.template, seed=args.seed)
-        model.train()
-        return {"eval/format_rate": summary["format_rate"], **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
-                **(heldout_metrics() if held else {})}
+        return {**eval_metrics(model, tok, eval_tasks, args), **(heldout_metrics() if held else {})}
 
     log.log(0, evaluation())  # the start: pass@k of the init and its held-out preference accuracy
     order = []

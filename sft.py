@@ -27,7 +27,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from common import CountdownError, Logger, arg, autocast, cli, load_model, load_records, load_tasks, make_prompt, \
     parse_args, save_checkpoint, seed_everything, token_stats, tokenize_pairs
-from evaluate import evaluate
+from evaluate import eval_metrics
 from verifier import make_trace
 
 
@@ -145,17 +145,12 @@ def main(argv=None):
         metrics = {"train/loss": loss, "train/token_acc": correct / n_tokens, "train/lr": sched.get_last_lr()[0],
                    "train/grad_norm": grad_norm, "time/step": dt, "time/tokens_per_s": n_tokens / dt}
         if step == total or (args.eval_every and step % args.eval_every == 0):
-            model.eval()
-            with torch.no_grad(), autocast(device):
-                if val_prompts:  # held-out loss on responses of problems never trained on
+            if val_prompts:  # held-out loss on responses of problems never trained on
+                with torch.no_grad(), autocast(device):
                     val = [(sft_loss(token_stats(model, i, a, m)["logp"], m[:, 1:]).item(), int(m[:, 1:].sum()))
                            for i, a, m in micro_batches(val_prompts, val_responses)]
-                    metrics["eval/loss"] = sum(x for x, _ in val) / sum(n for _, n in val)
-                summary, _ = evaluate(model, tok, eval_tasks, args.eval_samples, max_new_tokens=args.eval_max_new_tokens,
-                                      template=args.template, seed=args.seed)
-            model.train()
-            metrics.update({"eval/format_rate": summary["format_rate"],
-                            **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()}})
+                metrics["eval/loss"] = sum(x for x, _ in val) / sum(n for _, n in val)
+            metrics.update(eval_metrics(model, tok, eval_tasks, args))
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
     log.close()
