@@ -363,6 +363,11 @@ class HFSampler:
     def sync(self, model):
         self.model = model
 
+    def sleep(self):  # vLLM frees its GPU memory here; the HF sampler holds none of its own
+        pass
+
+    wake = sleep
+
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
@@ -409,6 +414,27 @@ class HFSampler:
         lengths = alive.sum(1).tolist()
         ids = [t[:k] for t, k in zip(toks.tolist(), lengths)]
         return ids, [lp[:k] for lp, k in zip(lps.tolist(), lengths)], [bool(x) for x in done.tolist()]
+
+
+def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048):
+    """`hf`: the training model itself samples. `vllm`: an engine loaded from `model_dir`, synced from the
+    trainer before each rollout (GPU only; imported here so CPU runs never touch vllm)."""
+    if backend == "vllm":
+        from vllm_sampler import VLLMSampler
+        return VLLMSampler(model_dir, tokenizer, max_model_len=max_model_len, seed=seed)
+    if backend != "hf":
+        raise CountdownError(f"--backend must be hf or vllm, not {backend!r}")
+    return HFSampler(model, tokenizer)
+
+
+def rollout_batch(ro, rows, pad_id):
+    """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut to
+    these rows' longest, and the sampler's log-probs (b, T-1) aligned with token_stats' outputs."""
+    n = len(ro.completion_ids) // len(ro.prompt_ids)
+    ids, attn, mask = pack([ro.prompt_ids[r // n] for r in rows], [ro.completion_ids[r] for r in rows], pad_id)
+    sel = mask[:, 1:].bool()
+    lp = torch.tensor([x for r in rows for x in ro.logprobs[r]], dtype=torch.float32)
+    return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
 
 
 # ---- logging -------------------------------------------------------------------------------------

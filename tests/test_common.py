@@ -148,12 +148,19 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
     model, tok = tiny
     prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7, 1], 99, "base")]
     ro = C.HFSampler(model, tok).generate(prompts, n=3, temperature=1.0, max_new_tokens=20, seed=0)
-    ids, attn, mask = C.pack([ro.prompt_ids[i // 3] for i in range(6)], ro.completion_ids, tok.pad_token_id)
+    ids, attn, mask, sampler_lp = C.rollout_batch(ro, list(range(6)), tok.pad_token_id)
     with torch.no_grad():
         logp = C.token_stats(model, ids, attn, mask)["logp"]
-    sampler_lp = torch.zeros_like(logp)
-    sampler_lp[mask[:, 1:].bool()] = torch.tensor([x for row in ro.logprobs for x in row])
-    assert (logp - sampler_lp).abs().max() < 1e-4
+    assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
+
+
+def test_rollout_batch_aligns_rows_with_their_prompts():
+    ro = C.Rollouts([[1, 2], [3]], [[5], [6, 7], [8, 9, 10], [11]], [[-.5], [-.6, -.7], [-.8, -.9, -1.0], [-1.1]],
+                    ["a", "b", "c", "d"], [True] * 4)
+    ids, attn, mask, old = C.rollout_batch(ro, [1, 2], pad_id=0)   # row 1 is prompt 0's, row 2 prompt 1's
+    assert ids.tolist() == [[1, 2, 6, 7], [3, 8, 9, 10]] and attn.tolist() == [[1] * 4] * 2
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert torch.allclose(old, torch.tensor([[0, -.6, -.7], [-.8, -.9, -1.0]]))
 
 
 def test_filter_logits_top_k_top_p():
@@ -245,7 +252,7 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no such checkpoint dir" in r.stderr
 
 
-@pytest.mark.parametrize("script", ["sft.py", "ipo.py", "evaluate.py"])
+@pytest.mark.parametrize("script", ["sft.py", "ipo.py", "rloo.py", "grpo.py", "evaluate.py"])
 def test_every_script_has_help(script):
     r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "--output_dir" in r.stdout or "--out" in r.stdout

@@ -1,0 +1,209 @@
+"""GRPO: group-normalized advantages, a PPO-clipped ratio and a KL to a frozen reference (paper 004
+§2 Eq. 1-2; paper 002 §3 Eq. 1 and its Countdown recipe).
+
+    A_i = (r_i − mean_j r_j) / (std_j r_j + ε)                              (004 Eq. 2; Dr. GRPO: no std)
+    l_it = min(ρ_it A_i, clip(ρ_it, 1−ε_lo, 1+ε_hi) A_i) − β k3(π_θ ‖ π_ref),   ρ_it = π_θ(o_it)/π_old(o_it)
+    L = −agg(l):  seq-mean 1/G Σ_i 1/|o_i| Σ_t (DeepSeekMath, 004)  |  token-mean 1/Σ|o_i| Σ_i Σ_t
+                  (DAPO; 002 Eq. 1)  |  constant 1/(G·L_max) Σ_i Σ_t (Dr. GRPO)
+seq-mean gives each rollout the same weight, so a token of a long wrong answer is pushed down less than
+one of a short one: it prefers long failures. token-mean and constant give every token the same weight.
+Departures from the papers:
+  1. π_old is the sampler's own per-token log-prob (T = 1) of what it sampled, as in rloo.py. TRL divides
+     the logits by the sampling temperature first, training the tempered policy; at T = 1 they agree.
+  2. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts from
+     the second pass over a batch on. Only 002's temperature of its exploration knobs is here.
+  3. Embedded setting: generated tasks, a tiny model, a larger lr (README, "RL").
+
+Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --output_dir out/grpo
+CPU (embedded, ~5 minutes on 2 cores; what run_cpu.sh runs):
+  python grpo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
+      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 5e-5 --batch_size 16 --micro_batch 64 \
+      --max_response_len 160 --max_steps 150 --eval_every 50 --group_size 8 --output_dir out/cpu/grpo
+"""
+import copy
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, make_prompt, make_sampler, \
+    parse_args, rollout_batch, save_checkpoint, seed_everything, token_stats
+from evaluate import eval_metrics
+from verifier import dense_score, score
+
+
+@dataclass
+class Args:
+    # shared by every script, in this order
+    init: str = arg("out/sft", "checkpoint to start from (the SFT model); also the frozen reference")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks whose prompts are rolled out (its train split)")
+    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic pass@k (its `val` split)")
+    output_dir: str = arg("out/grpo", "where the checkpoint, args.json and metrics.jsonl go")
+    seed: int = arg(0, "seed for task order and sampling")
+    template: str = arg("base", "prompt template: base | compact")
+    lr: float = arg(5e-6, "constant learning rate (002 §5.1: higher was unstable)")
+    batch_size: int = arg(16, "prompts per step; each gets --group_size rollouts (002: 16 x 16)")
+    micro_batch: int = arg(16, "rollouts per forward/backward (bounds memory)")
+    weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 6)")
+    grad_clip: float = arg(1.0, "global grad-norm clip")
+    max_prompt_len: int = arg(512, "prompts longer than this are an error")
+    max_response_len: int = arg(1024, "rollout budget in new tokens (002: 1024; shorter truncates good answers)")
+    eval_every: int = arg(50, "steps between held-out evaluations (0: only at start and end)")
+    eval_problems: int = arg(200, "held-out problems per evaluation")
+    eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
+    eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
+    wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    # on-policy RL, shared by rloo/grpo/opd/rlt
+    max_steps: int = arg(200, "rollout batches (each gives --num_iterations optimizer steps)")
+    group_size: int = arg(16, "G rollouts per prompt (002: 16; 004: 64)")
+    temperature: float = arg(1.0, "rollout sampling temperature (002's best: 1.5; top_p 1, no top_k)")
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
+    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in vllm_sampler.py)")
+    # GRPO specific
+    beta: float = arg(0.04, "β, weight of the k3 KL to the frozen reference (004 Table 6; 0: no reference)")
+    epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high]")
+    epsilon_high: float = arg(0.0, "upper clip ε_high (DAPO's clip-higher: 0.28); 0 = same as --epsilon")
+    num_iterations: int = arg(1, "optimizer steps per rollout batch, each over the whole batch (DeepSeekMath's μ)")
+    scale_rewards: bool = arg(True, "divide by the group's reward std (--no-scale_rewards: Dr. GRPO)")
+    loss_agg: str = arg("token-mean", "seq-mean (DeepSeekMath) | token-mean (DAPO, 002 Eq. 1) | constant (Dr. GRPO)")
+    mask_truncated: bool = arg(False, "leave rollouts cut at --max_response_len out of the loss (002 §3)")
+    ref_sync_every: int = arg(0, "every N steps move π_ref toward π_θ (004: 32; 0: never)")
+    ref_sync_mix: float = arg(0.9, "π_ref ← mix · π_θ + (1 − mix) · π_ref at a sync (004: 0.9)")
+
+
+def grpo_advantages(reward, scale=True, eps=1e-4):
+    """004 Eq. 2. reward (B, G) -> A (B, G): centered within each group, and divided by the group's
+    (unbiased) std unless `scale` is off; a group of equal rewards gets A = 0 either way."""
+    centered = reward - reward.mean(1, keepdim=True)                                  # (B, G)
+    return centered / (reward.std(1, keepdim=True) + eps) if scale else centered
+
+
+def k3_kl(logp, other_logp):
+    """Schulman's k3 estimate of KL(π_θ ‖ other) per token sampled from π_θ (004 Eq. 1's D_KL):
+    r − 1 − log r with r = other/π_θ. Never negative, 0 where the two agree. (b, T-1) -> (b, T-1)"""
+    log_r = other_logp - logp
+    return log_r.exp() - 1 - log_r
+
+
+def grpo_loss(logp, old_logp, ref_logp, adv, args):
+    """Per-token −l_it (b, T-1). logp, old_logp (π_old = the sampler), ref_logp (None if β = 0): (b, T-1);
+    adv: (b,). Where the clipped term wins the min, the token has no gradient: `clipped` marks it."""
+    eps_hi = args.epsilon_high or args.epsilon
+    ratio = (logp - old_logp).exp()                                                    # (b, T-1) ρ_it
+    A = adv[:, None]                                                                   # (b, 1)
+    surrogate = torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + eps_hi) * A)
+    kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - args.epsilon) & (A < 0))
+    return -surrogate + args.beta * kl, {"kl": kl, "ratio": ratio.detach(), "clipped": clipped.float()}
+
+
+def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
+    """This micro-batch's share of the batch loss, so that micro-batches add up to the docstring's L.
+    per_token, mask: (b, T-1); n_rows, n_tokens: rollouts and response tokens in the whole batch."""
+    if mode == "seq-mean":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_rows
+    if mode == "token-mean":
+        return (per_token * mask).sum() / max(n_tokens, 1)
+    return (per_token * mask).sum() / (n_rows * max_len)                               # constant
+
+
+def main(argv=None):
+    args = parse_args(Args, argv)
+    seed_everything(args.seed)
+    if args.reward not in ("sparse", "dense"):
+        raise CountdownError(f"--reward must be sparse or dense, not {args.reward!r}")
+    if args.loss_agg not in ("seq-mean", "token-mean", "constant"):
+        raise CountdownError(f"--loss_agg must be seq-mean, token-mean or constant, not {args.loss_agg!r}")
+    if args.group_size < 2:
+        raise CountdownError("--group_size must be at least 2: the advantage compares rollouts of one prompt")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = load_model(args.init, device, torch.float32)  # fp32 master weights; bf16 compute via autocast
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref: the frozen init
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    tasks, eval_tasks = load_tasks(args.data, "train"), load_tasks(args.eval_data, "val", args.eval_problems)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr
+    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project)
+    B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
+    log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
+    for step in range(1, args.max_steps + 1):
+        t0 = time.time()
+        # ---- sample: B prompts x G rollouts from the snapshot π_old ----
+        if len(order) < B:
+            order = rng.sample(range(len(tasks)), len(tasks))
+        batch, order = [tasks[i] for i in order[:B]], order[B:]
+        prompts = [make_prompt(t["nums"], t["target"], args.template) for t in batch]
+        if max(len(p) for p in tok(prompts, add_special_tokens=False)["input_ids"]) > args.max_prompt_len:
+            raise CountdownError(f"a prompt is longer than --max_prompt_len {args.max_prompt_len}")
+        sampler.wake()
+        sampler.sync(model)
+        ro = sampler.generate(prompts, G, args.temperature, 1.0, 0, args.max_response_len, seed=args.seed * 100_003 + step)
+        sampler.sleep()
+        t_sample = time.time() - t0
+        # ---- score and advantage ----
+        row_tasks = [t for t in batch for _ in range(G)]
+        exact = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])   # (B*G,)
+        reward = exact if args.reward == "sparse" else \
+            torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
+        reward = reward.view(B, G)                                                     # (B, G)
+        adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
+        keep = torch.tensor(ro.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B * G)
+        n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)     # tokens in the loss
+        # ---- num_iterations passes over the batch, forward / backward per micro-batch ----
+        sums = {k: 0.0 for k in ("loss", "entropy", "kl", "is_weight", "clip_frac")}
+        gap, w_max, ref_cache, grad_norms = 0.0, 0.0, {}, []
+        for it in range(args.num_iterations):
+            for s in range(0, B * G, args.micro_batch):
+                rows = list(range(s, min(s + args.micro_batch, B * G)))
+                ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
+                m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
+                with autocast(device):
+                    st = token_stats(model, ids, attn, mask, entropy=True)
+                    if ref is not None and s not in ref_cache:  # π_ref does not move within a batch
+                        with torch.no_grad():
+                            ref_cache[s] = token_stats(ref, ids, attn, mask)["logp"]
+                per_token, parts = grpo_loss(st["logp"], old_logp, ref_cache.get(s), adv[rows].to(device), args)
+                loss = aggregate(per_token, m, args.loss_agg, B * G, n_tok, args.max_response_len)
+                loss.backward()
+                sums["loss"] += loss.item()
+                for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]), ("is_weight", parts["ratio"]),
+                             ("clip_frac", parts["clipped"])):
+                    sums[k] += (v.detach() * m).sum().item() / max(n_tok, 1)  # token means over the batch
+                if it == 0:
+                    gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
+                w_max = max(w_max, (parts["ratio"] * m).max().item())
+            if not math.isfinite(sums["loss"]):
+                raise CountdownError(f"loss is {sums['loss']} at step {step}; the last good checkpoint is in {args.output_dir}")
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
+            with torch.no_grad():  # 004: a slowly moving reference instead of a frozen one
+                for p_ref, p in zip(ref.parameters(), model.parameters()):
+                    p_ref.mul_(1 - args.ref_sync_mix).add_(p, alpha=args.ref_sync_mix)
+        # ---- log (001's flatline diagnostics), evaluate, checkpoint ----
+        group_std = reward.std(1)                                                      # (B,) within-group spread
+        metrics = {f"train/{k}": v / args.num_iterations for k, v in sums.items()}
+        metrics.update({"train/reward": reward.mean(), "train/accuracy": (exact == 1).float().mean(),
+                        "train/reward_std": group_std.mean(), "train/adv_std": adv.std(),
+                        "train/zero_adv_groups": (group_std == 0).float().mean(),
+                        "train/resp_len": sum(map(len, ro.completion_ids)) / (B * G),
+                        "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
+                        "train/is_weight_max": w_max, "train/sampler_gap": gap / max(n_tok, 1), "train/lr": args.lr,
+                        "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                        "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            metrics.update(eval_metrics(model, tok, eval_tasks, args))
+            save_checkpoint(model, tok, args.output_dir)
+        log.log(step, metrics)
+    log.close()
+    print(f"saved {args.output_dir}")
+    return model, ref
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,180 @@
+"""RLOO: REINFORCE with a leave-one-out baseline on the verifier's reward (paper 000 §3.2, Eq. 3; Table 5).
+
+    A_i = R_i − 1/(G−1) Σ_{j≠i} R_j          L_PG = −(1/G) Σ_i w_i A_i log π_θ(y_i|x)           (Eq. 3)
+    w_i = clip(exp(log π_θ(y_i) − log μ(y_i)), max 10), detached;    L = L_PG − λ_H H(π_θ) + λ_KL KL(μ‖π_θ)
+
+The other G−1 rollouts of the same prompt are the baseline: no critic, and a group the policy always
+or never solves gives A = 0 (paper 001's "flatline"; `--reward dense` gives near misses partial credit).
+Departures from the paper:
+  1. The KL to the sampler μ is the k3 estimator on the sampled tokens (001 §3.1.4). With the HF
+     sampler μ *is* the current policy (no lag), so w = 1 and this KL and its gradient are ~0; they
+     only act with vLLM's snapshot or a slower weight sync.
+  2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
+  3. Embedded setting: generated tasks, a tiny model, 16 prompts x 8, a larger lr (README, "RL").
+
+Real (1×H100, the paper's recipe = the defaults):  python rloo.py --init out/sft --backend vllm --output_dir out/rloo
+CPU (embedded, ~5 minutes on 2 cores; what run_cpu.sh runs):
+  python rloo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
+      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 5e-5 --batch_size 16 --micro_batch 64 \
+      --max_response_len 160 --max_steps 150 --eval_every 50 --output_dir out/cpu/rloo
+"""
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, make_prompt, make_sampler, \
+    parse_args, rollout_batch, save_checkpoint, seed_everything, token_stats
+from evaluate import eval_metrics
+from verifier import dense_score, score
+
+
+@dataclass
+class Args:
+    # shared by every script, in this order
+    init: str = arg("out/sft", "checkpoint to start from (the SFT model)")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks whose prompts are rolled out (its train split)")
+    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic pass@k (its `val` split)")
+    output_dir: str = arg("out/rloo", "where the checkpoint, args.json and metrics.jsonl go")
+    seed: int = arg(0, "seed for task order and sampling")
+    template: str = arg("base", "prompt template: base | compact")
+    lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
+    batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000: 128 x 8)")
+    micro_batch: int = arg(8, "rollouts per forward/backward (001: one group; bounds memory)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
+    grad_clip: float = arg(1.0, "global grad-norm clip")
+    max_prompt_len: int = arg(512, "prompts longer than this are an error")
+    max_response_len: int = arg(1024, "rollout budget in new tokens (000 Table 5)")
+    eval_every: int = arg(50, "steps between held-out evaluations (0: only at start and end)")
+    eval_problems: int = arg(200, "held-out problems per evaluation")
+    eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
+    eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
+    wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    # on-policy RL, shared by rloo/grpo/opd/rlt
+    max_steps: int = arg(200, "optimizer steps, one rollout batch each (000 Table 5)")
+    group_size: int = arg(8, "G rollouts per prompt")
+    temperature: float = arg(1.0, "rollout sampling temperature (000: 1.0; top_p 1, no top_k)")
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
+    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in vllm_sampler.py)")
+    # RLOO specific
+    entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; 10x is its anti-collapse knob)")
+    kl_coef: float = arg(1e-3, "λ_KL, KL penalty to the sampling policy μ (000 Table 5)")
+    is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
+
+
+def rloo_advantages(reward):
+    """Eq. 3's leave-one-out baseline. reward (B, G) -> A (B, G): each rollout minus the mean of the
+    other G−1 of its prompt. Equal to G/(G−1) · (R_i − mean_j R_j), so every group sums to zero."""
+    G = reward.shape[1]
+    baseline = (reward.sum(1, keepdim=True) - reward) / (G - 1)                       # (B, G)
+    return reward - baseline
+
+
+def importance_weights(logp_seq, old_seq, clip):
+    """w_i = clip(π_θ(y_i)/μ(y_i), max `clip`) on whole sequences, detached: it rescales the gradient
+    of a rollout the snapshot μ sampled, it is not itself optimized. (b,), (b,) -> (b,)"""
+    return (logp_seq - old_seq).detach().exp().clamp(max=clip)
+
+
+def k3_kl(logp, other_logp):
+    """Schulman's k3 estimate of KL(π_θ ‖ other) per token sampled from π_θ (001 §3.1.4):
+    r − 1 − log r with r = other/π_θ. Never negative, 0 where the two agree. (b, T-1) -> (b, T-1)"""
+    log_r = other_logp - logp
+    return log_r.exp() - 1 - log_r
+
+
+def rloo_loss(logp, old_logp, entropy, mask, adv, args):
+    """Eq. 3 plus the entropy bonus and the KL to μ, per rollout (b,). logp, old_logp (sampler μ),
+    entropy, mask: (b, T-1); adv: (b,). The caller sums and divides by B·G: −(1/G) Σ_i, mean over prompts."""
+    n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
+    logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)               # (b,) log π(y_i|x)
+    w = importance_weights(logp_seq, old_seq, args.is_clip)
+    pg = -w * adv * logp_seq                                                           # (b,) Eq. 3
+    ent = (entropy * mask).sum(-1) / n_tok                                             # (b,) mean token entropy
+    kl = (k3_kl(logp, old_logp) * mask).sum(-1) / n_tok                                # (b,)
+    loss = pg - args.entropy_coef * ent + args.kl_coef * kl
+    return loss, {"entropy": entropy.detach(), "kl": k3_kl(logp, old_logp).detach(), "is_weight": w}
+
+
+def main(argv=None):
+    args = parse_args(Args, argv)
+    seed_everything(args.seed)
+    if args.reward not in ("sparse", "dense"):
+        raise CountdownError(f"--reward must be sparse or dense, not {args.reward!r}")
+    if args.group_size < 2:
+        raise CountdownError("--group_size must be at least 2: the baseline is the other rollouts of the prompt")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = load_model(args.init, device, torch.float32)  # fp32 master weights; bf16 compute via autocast
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    tasks, eval_tasks = load_tasks(args.data, "train"), load_tasks(args.eval_data, "val", args.eval_problems)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (000)
+    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project)
+    B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
+    log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
+    for step in range(1, args.max_steps + 1):
+        t0 = time.time()
+        # ---- sample: B prompts x G rollouts from the snapshot μ ----
+        if len(order) < B:
+            order = rng.sample(range(len(tasks)), len(tasks))
+        batch, order = [tasks[i] for i in order[:B]], order[B:]
+        prompts = [make_prompt(t["nums"], t["target"], args.template) for t in batch]
+        if max(len(p) for p in tok(prompts, add_special_tokens=False)["input_ids"]) > args.max_prompt_len:
+            raise CountdownError(f"a prompt is longer than --max_prompt_len {args.max_prompt_len}")
+        sampler.wake()
+        sampler.sync(model)
+        ro = sampler.generate(prompts, G, args.temperature, 1.0, 0, args.max_response_len, seed=args.seed * 100_003 + step)
+        sampler.sleep()
+        t_sample = time.time() - t0
+        # ---- score and advantage ----
+        row_tasks = [t for t in batch for _ in range(G)]
+        exact = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])   # (B*G,)
+        reward = exact if args.reward == "sparse" else \
+            torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
+        reward = reward.view(B, G)                                                     # (B, G)
+        adv = rloo_advantages(reward).flatten()                                        # (B*G,)
+        # ---- forward / backward per micro-batch of rollouts ----
+        sums = {k: 0.0 for k in ("loss", "entropy", "kl", "is_weight")}
+        gap, w_max, n_tok = 0.0, 0.0, sum(map(len, ro.completion_ids))
+        for s in range(0, B * G, args.micro_batch):
+            rows = list(range(s, min(s + args.micro_batch, B * G)))
+            ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
+            with autocast(device):
+                st = token_stats(model, ids, attn, mask, entropy=True)
+            m = mask[:, 1:].float()                                                    # (b, T-1)
+            loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device), args)
+            (loss.sum() / (B * G)).backward()
+            sums["loss"] += loss.detach().sum().item()
+            sums["is_weight"] += parts["is_weight"].sum().item()
+            for k in ("entropy", "kl"):
+                sums[k] += (parts[k] * m).sum().item() / n_tok * (B * G)  # token means over the batch
+            gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
+            w_max = max(w_max, parts["is_weight"].max().item())
+        if not math.isfinite(sums["loss"]):
+            raise CountdownError(f"loss is {sums['loss']} at step {step}; the last good checkpoint is in {args.output_dir}")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # ---- log (001's flatline diagnostics), evaluate, checkpoint ----
+        group_std = reward.std(1)                                                      # (B,) within-group spread
+        metrics = {f"train/{k}": v / (B * G) for k, v in sums.items()}
+        metrics.update({"train/reward": reward.mean(), "train/accuracy": (exact == 1).float().mean(), "train/reward_std": group_std.mean(),
+                        "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
+                        "train/resp_len": n_tok / (B * G), "train/truncated": 1 - sum(ro.finished) / (B * G),
+                        "train/format": (exact > 0).float().mean(), "train/is_weight_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr, "train/grad_norm": grad_norm,
+                        "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            metrics.update(eval_metrics(model, tok, eval_tasks, args))
+            save_checkpoint(model, tok, args.output_dir)
+        log.log(step, metrics)
+    log.close()
+    print(f"saved {args.output_dir}")
+    return model
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,165 @@
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common as C
+import grpo
+import rloo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEN = "gen:nums=3,range=1-9,test=20,val=8"
+FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
+        "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
+        "--max_response_len", "12", "--max_steps", "2", "--lr", "1e-3"]
+
+
+def test_rloo_advantages_leave_one_out_by_hand():
+    reward = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1], [1.0, 0.1, 0.0, 1.0]])
+    adv = rloo.rloo_advantages(reward)
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))   # 1 − 0;  0 − 1/3
+    assert torch.equal(adv[1], torch.zeros(4))                                   # all equal: no signal (the flatline)
+    assert torch.allclose(adv[2], torch.tensor([1 - 1.1 / 3, 0.1 - 2 / 3, -2.1 / 3, 1 - 1.1 / 3]))
+    assert torch.allclose(adv.sum(1), torch.zeros(3), atol=1e-6)                 # zero-mean groups
+
+
+def test_grpo_advantages_group_normalized_by_hand():
+    reward = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    adv = grpo.grpo_advantages(reward, scale=True)
+    # mean 0.25, unbiased std sqrt((0.75² + 3·0.25²)/3) = 0.5
+    assert torch.allclose(adv[0], torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-3)
+    assert torch.equal(adv[1:], torch.zeros(2, 4))                               # all equal: zero, never NaN
+    assert torch.allclose(grpo.grpo_advantages(reward, scale=False)[0], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    assert torch.allclose(adv.sum(1), torch.zeros(3), atol=1e-5)
+
+
+def test_importance_weights_are_clipped_and_detached():
+    logp = torch.tensor([0.0, 5.0, -1.0], requires_grad=True)
+    w = rloo.importance_weights(logp, torch.zeros(3), clip=10.0)
+    assert torch.allclose(w, torch.tensor([1.0, 10.0, math.exp(-1)])) and not w.requires_grad
+
+
+@pytest.mark.parametrize("k3", [rloo.k3_kl, grpo.k3_kl])
+def test_k3_kl_nonnegative_zero_at_match_and_unbiased(k3):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, generator=g), torch.randn(50, generator=g)
+    assert (k3(a, b) >= 0).all() and torch.equal(k3(a, a), torch.zeros(50))
+    p, q = torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.2, 0.5, 0.3])
+    x = torch.multinomial(p, 200_000, replacement=True, generator=g)             # tokens sampled from π_θ = p
+    est = k3(p.log()[x], q.log()[x]).mean()
+    assert abs(est - (p * (p / q).log()).sum()) < 0.01                           # E_p[k3] = KL(p ‖ q)
+
+
+def test_ppo_clip_by_hand():
+    args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.0)
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.5, 1.1, 0.5, 0.9]])).requires_grad_()    # ratios ρ
+    for A, want, clipped in ((1.0, [-1.2, -1.1, -0.5, -0.9], [1, 0, 0, 0]),      # A>0: ρ capped at 1+ε
+                             (-1.0, [1.5, 1.1, 0.8, 0.9], [0, 0, 1, 0])):        # A<0: ρ floored at 1−ε
+        loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([A]), args)
+        assert torch.allclose(loss, torch.tensor([want])) and parts["clipped"][0].tolist() == clipped
+    args.epsilon_high = 0.6                                                      # clip-higher: 1.5 < 1.6 passes
+    loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), args)
+    assert torch.allclose(loss, torch.tensor([[-1.5, -1.1, -0.5, -0.9]])) and parts["clipped"].sum() == 0
+    args.epsilon_high = 0.0
+    loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), args)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    assert grad[0, 0] == 0 and (grad[0, 1:] != 0).all()                         # the clipped token: no gradient
+
+
+def test_grpo_kl_term_uses_beta():
+    args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.5)
+    logp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
+    loss, parts = grpo.grpo_loss(logp, logp, ref, torch.tensor([0.0]), args)
+    k3 = 0.5 - 1 - math.log(0.5)                                                 # r = 0.25/0.5
+    assert abs(parts["kl"].item() - k3) < 1e-6 and abs(loss.item() - 0.5 * k3) < 1e-6
+
+
+def test_loss_aggregation_modes_by_hand_and_over_micro_batches():
+    per_token = torch.tensor([[2.0, 9.0, 9.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])                    # lengths 1 and 3
+    want = {"seq-mean": (2 / 1 + 3 / 3) / 2, "token-mean": (2 + 3) / 4, "constant": (2 + 3) / (2 * 4)}
+    for mode, value in want.items():
+        whole = grpo.aggregate(per_token, mask, mode, n_rows=2, n_tokens=4, max_len=4)
+        split = sum(grpo.aggregate(per_token[i:i + 1], mask[i:i + 1], mode, 2, 4, 4) for i in range(2))
+        assert abs(whole.item() - value) < 1e-6 and abs(split.item() - value) < 1e-6, mode
+
+
+def test_rloo_loss_by_hand():
+    args = SimpleNamespace(is_clip=10.0, entropy_coef=0.1, kl_coef=1.0)
+    logp = torch.tensor([[-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    entropy = torch.tensor([[1.0, 3.0, 7.0]])
+    loss, parts = rloo.rloo_loss(logp, logp.clone(), entropy, mask, torch.tensor([0.5]), args)
+    assert abs(loss.item() - (-0.5 * -3.0 - 0.1 * 2.0)) < 1e-6                  # −w·A·log π(y) − λ_H·H, KL 0
+    assert parts["is_weight"].item() == 1.0
+    old = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0]])                        # μ gave token 2 twice π's prob
+    loss2, parts = rloo.rloo_loss(logp, old, entropy, mask, torch.tensor([0.5]), args)
+    assert abs(parts["is_weight"].item() - 0.5) < 1e-6
+    assert abs(loss2.item() - (-0.5 * 0.5 * -3.0 - 0.2 + (1 - math.log(2)) / 2)) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    tok = C.build_tiny_tokenizer()
+    C.save_checkpoint(C.build_tiny_model(tok), tok, str(out))
+    return str(out)
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "grpo.py"])
+def test_two_steps_in_a_subprocess(script, tiny_ckpt, tmp_path):
+    extra = ["--num_iterations", "2", "--mask_truncated"] if script == "grpo.py" else []
+    r = subprocess.run([sys.executable, script, "--init", tiny_ckpt, *FAST, *extra, "--reward", "dense",
+                        "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/pass@1" in rows[0] and "eval/pass@2" in rows[-1]
+    keys = {"train/loss", "train/reward", "train/accuracy", "train/reward_std", "train/adv_std", "train/zero_adv_groups",
+            "train/resp_len", "train/entropy", "train/kl", "train/is_weight", "train/is_weight_max",
+            "train/sampler_gap", "train/grad_norm", "time/sample", "time/update"}
+    assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())
+    assert rows[-1]["train/sampler_gap"] < 1e-3    # the HF sampler is the policy: its log-probs must agree
+    assert {"config.json", "model.safetensors", "tokenizer.json", "args.json"} <= set(os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("module", [rloo, grpo])
+def test_fixed_seed_is_deterministic_on_cpu(module, tiny_ckpt, tmp_path):
+    runs = []
+    for i in range(2):
+        out = module.main(["--init", tiny_ckpt, *FAST, "--output_dir", str(tmp_path / str(i))])
+        model = out[0] if isinstance(out, tuple) else out
+        rows = [{k: v for k, v in json.loads(x).items() if not k.startswith("time/") and k != "wall"}
+                for x in open(tmp_path / str(i) / "metrics.jsonl")]
+        runs.append((rows, [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_grpo_reference_stays_frozen_and_syncs_when_asked(tiny_ckpt, tmp_path):
+    init, _ = C.load_model(tiny_ckpt)
+    # an untrained model earns no reward, so weight decay is what moves the policy here
+    model, ref = grpo.main(["--init", tiny_ckpt, *FAST, "--weight_decay", "0.1", "--output_dir", str(tmp_path / "a")])
+    assert all(torch.equal(p0, p) for p0, p in zip(init.parameters(), ref.parameters()))
+    assert any(not torch.equal(p0, p) for p0, p in zip(init.parameters(), model.parameters()))
+    model, ref = grpo.main(["--init", tiny_ckpt, *FAST, "--weight_decay", "0.1", "--ref_sync_every", "2", "--ref_sync_mix", "1.0",
+                            "--output_dir", str(tmp_path / "b")])
+    assert all(torch.equal(p_ref, p) for p_ref, p in zip(ref.parameters(), model.parameters()))  # mix 1: a copy
+
+
+@pytest.mark.parametrize("script,flag,value,message", [
+    ("rloo.py", "--reward", "exact", "--reward must be sparse or dense"),
+    ("grpo.py", "--loss_agg", "sum", "--loss_agg must be seq-mean, token-mean or constant"),
+    ("grpo.py", "--group_size", "1", "--group_size must be at least 2"),
+    ("rloo.py", "--backend", "sglang", "--backend must be hf or vllm"),
+])
+def test_bad_flags_are_one_line_errors(script, flag, value, message, tiny_ckpt, tmp_path):
+    r = subprocess.run([sys.executable, script, "--init", tiny_ckpt, *FAST, flag, value, "--output_dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
