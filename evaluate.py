@@ -19,8 +19,9 @@ from math import comb
 
 import torch
 
-from common import CountdownError, HFSampler, arg, autocast, cli, device_and_dtype, load_model, load_tasks, \
+from common import CountdownError, arg, autocast, cli, device_and_dtype, load_model, load_tasks, \
     make_prompt, parse_args, read_jsonl, seed_everything
+from sampler import HFSampler, VLLMSampler
 from verifier import score
 
 
@@ -171,8 +172,7 @@ def main():
     model, tokenizer = load_model(args.model, device, dtype)
     tasks = load_tasks(args.data, args.split, args.num_problems)
     if args.backend == "vllm":
-        from vllm_sampler import VLLMSampler  # CUDA only: imported here so CPU runs never touch it
-        sampler = VLLMSampler(args.model, tokenizer, seed=args.seed)
+        sampler = VLLMSampler(args.model, tokenizer, seed=args.seed)  # CUDA only
     else:
         sampler = HFSampler(model, tokenizer, args.batch_size)
     summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature, args.top_p, args.top_k,

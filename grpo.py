@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, make_prompt, make_sampler, \
-    parse_args, rollout_batch, save_checkpoint, seed_everything, token_stats
+from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, make_prompt, parse_args, \
+    save_checkpoint, seed_everything, token_stats
 from evaluate import eval_metrics
+from sampler import make_sampler, rollout_batch
 from verifier import dense_score, score
 
 
@@ -61,7 +62,7 @@ class Args:
     group_size: int = arg(16, "G rollouts per prompt (002: 16; 004: 64)")
     temperature: float = arg(1.0, "rollout sampling temperature (002's best: 1.5; top_p 1, no top_k)")
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
-    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in vllm_sampler.py)")
+    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # GRPO specific
     beta: float = arg(0.04, "β, weight of the k3 KL to the frozen reference (004 Table 6; 0: no reference)")
     epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high]")

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from common import CountdownError, HFSampler, Logger, arg, autocast, cli, load_model, load_records, load_tasks, \
+from common import CountdownError, Logger, arg, autocast, cli, load_model, load_records, load_tasks, \
     make_prompt, parse_args, save_checkpoint, seed_everything, token_stats, tokenize_pairs
 from evaluate import eval_metrics
+from sampler import HFSampler
 from verifier import dense_score, extract_answer, flip_operator, make_trace, score
 
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, make_prompt, make_sampler, \
-    parse_args, rollout_batch, save_checkpoint, seed_everything, token_stats
+from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, make_prompt, parse_args, \
+    save_checkpoint, seed_everything, token_stats
 from evaluate import eval_metrics
+from sampler import make_sampler, rollout_batch
 from verifier import dense_score, score
 
 
@@ -58,7 +59,7 @@ class Args:
     group_size: int = arg(8, "G rollouts per prompt")
     temperature: float = arg(1.0, "rollout sampling temperature (000: 1.0; top_p 1, no top_k)")
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
-    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in vllm_sampler.py)")
+    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # RLOO specific
     entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; 10x is its anti-collapse knob)")
     kl_coef: float = arg(1e-3, "λ_KL, KL penalty to the sampling policy μ (000 Table 5)")

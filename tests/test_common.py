@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common as C
+import sampler as S
 import verifier as V
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +130,7 @@ def test_hf_sampler_stops_at_eos_and_respects_max_tokens(tiny):
     with torch.no_grad():
         h = model.base_model(input_ids=torch.tensor([tok(prompts[0])["input_ids"]])).last_hidden_state.mean((0, 1))
         model.get_output_embeddings().weight[tok.eos_token_id] = 4 * h / h.norm() ** 2
-    ro = C.HFSampler(model, tok, batch_size=5).generate(prompts, n=6, temperature=1.0, max_new_tokens=12, seed=3)
+    ro = S.HFSampler(model, tok, batch_size=5).generate(prompts, n=6, temperature=1.0, max_new_tokens=12, seed=3)
     assert len(ro.completion_ids) == 12 and len(ro.prompt_ids) == 2
     for ids, lps, done in zip(ro.completion_ids, ro.logprobs, ro.finished):
         assert 1 <= len(ids) <= 12 and len(lps) == len(ids)
@@ -139,7 +140,7 @@ def test_hf_sampler_stops_at_eos_and_respects_max_tokens(tiny):
         else:
             assert len(ids) == 12
     assert 0 < sum(ro.finished) < 12
-    again = C.HFSampler(model, tok, batch_size=5).generate(prompts, n=6, temperature=1.0, max_new_tokens=12, seed=3)
+    again = S.HFSampler(model, tok, batch_size=5).generate(prompts, n=6, temperature=1.0, max_new_tokens=12, seed=3)
     assert again.completion_ids == ro.completion_ids  # seeded: same draw
 
 
@@ -147,17 +148,17 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
     """The weight-sync canary: the sampler's log-probs of its own tokens equal a fresh forward pass."""
     model, tok = tiny
     prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7, 1], 99, "base")]
-    ro = C.HFSampler(model, tok).generate(prompts, n=3, temperature=1.0, max_new_tokens=20, seed=0)
-    ids, attn, mask, sampler_lp = C.rollout_batch(ro, list(range(6)), tok.pad_token_id)
+    ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=1.0, max_new_tokens=20, seed=0)
+    ids, attn, mask, sampler_lp = S.rollout_batch(ro, list(range(6)), tok.pad_token_id)
     with torch.no_grad():
         logp = C.token_stats(model, ids, attn, mask)["logp"]
     assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
 
 
 def test_rollout_batch_aligns_rows_with_their_prompts():
-    ro = C.Rollouts([[1, 2], [3]], [[5], [6, 7], [8, 9, 10], [11]], [[-.5], [-.6, -.7], [-.8, -.9, -1.0], [-1.1]],
+    ro = S.Rollouts([[1, 2], [3]], [[5], [6, 7], [8, 9, 10], [11]], [[-.5], [-.6, -.7], [-.8, -.9, -1.0], [-1.1]],
                     ["a", "b", "c", "d"], [True] * 4)
-    ids, attn, mask, old = C.rollout_batch(ro, [1, 2], pad_id=0)   # row 1 is prompt 0's, row 2 prompt 1's
+    ids, attn, mask, old = S.rollout_batch(ro, [1, 2], pad_id=0)   # row 1 is prompt 0's, row 2 prompt 1's
     assert ids.tolist() == [[1, 2, 6, 7], [3, 8, 9, 10]] and attn.tolist() == [[1] * 4] * 2
     assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
     assert torch.allclose(old, torch.tensor([[0, -.6, -.7], [-.8, -.9, -1.0]]))
@@ -165,7 +166,7 @@ def test_rollout_batch_aligns_rows_with_their_prompts():
 
 def test_filter_logits_top_k_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = lambda **kw: torch.isfinite(C._filter_logits(logits, 1.0, **kw)).tolist()[0]
+    kept = lambda **kw: torch.isfinite(S._filter_logits(logits, 1.0, **kw)).tolist()[0]
     assert kept(top_k=2, top_p=1.0) == [True, True, False, False]
     assert kept(top_k=0, top_p=0.7) == [True, True, False, False]   # 0.5 < 0.7 <= 0.8
     assert kept(top_k=0, top_p=0.9) == [True, True, True, False]    # 0.8 < 0.9 <= 0.95

@@ -1,0 +1,157 @@
+"""Sampling: n completions per prompt with their log-probs, from one of two backends behind one
+interface (generate -> Rollouts, sync(model), sleep(), wake()):
+  HFSampler    plain PyTorch with a KV cache, using the training model itself; CPU friendly, tested.
+  VLLMSampler  a vLLM engine colocated on the GPU, pinned to vllm==0.10.2 (`pip install -e ".[vllm]"`).
+vLLM ships CUDA wheels only, so VLLMSampler has never run on the CPU machines this repo is developed
+and tested on; vllm is imported inside it, so nothing on the CPU path touches it. Its weight sync uses
+the in-process engine path TRL's colocate mode used with 0.10: a newer vLLM may move it, which the
+sampler/trainer log-prob canary every RL script logs (train/sampler_gap) would show at once.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common import CountdownError, pack
+
+
+# ---- the HF backend ------------------------------------------------------------------------------
+@dataclass
+class Rollouts:
+    """n completions per prompt, flattened prompt-major: row i belongs to prompt i // n."""
+    prompt_ids: list        # per prompt: token ids
+    completion_ids: list    # per row: token ids, EOS included when the completion finished
+    logprobs: list          # per row: the sampler's raw (T = 1, unfiltered) log-prob of each token
+    texts: list             # per row: decoded completion without EOS
+    finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
+
+
+def _filter_logits(logits, temperature, top_k, top_p):
+    """Temperature, then top-k, then top-p (nucleus), as vLLM applies them. (N, V) -> (N, V)."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+class HFSampler:
+    """Plain-PyTorch KV-cache sampling with the training model itself (so sync() has nothing to copy).
+    Rows are left-padded and decoded in batches of `batch_size`; a batch stops when every row hit EOS."""
+
+    def __init__(self, model, tokenizer, batch_size=256):
+        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+
+    def sync(self, model):
+        self.model = model
+
+    def sleep(self):  # vLLM frees its GPU memory here; the HF sampler holds none of its own
+        pass
+
+    wake = sleep
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
+        prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
+        rows = [p for p in prompt_ids for _ in range(n)]
+        gen = torch.Generator(device=self.model.device).manual_seed(seed)
+        was_training = self.model.training
+        self.model.eval()
+        out_ids, out_lp, finished = [], [], []
+        for s in range(0, len(rows), self.batch_size):
+            for acc, new in zip((out_ids, out_lp, finished), self._batch(rows[s:s + self.batch_size], temperature, top_p,
+                                                                        top_k, max_new_tokens, gen)):
+                acc += new
+        self.model.train(was_training)
+        texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id] for ids in out_ids])
+        return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
+
+    def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen):
+        eos, dev = self.tok.eos_token_id, self.model.device
+        P = max(map(len, rows))
+        ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)                # (b, P)
+        attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        toks, lps, alive = [], [], []
+        for _ in range(max_new_tokens):
+            logits = out.logits[:, -1]                                                          # (b, V)
+            raw_logp = torch.log_softmax(logits.float(), -1)
+            if temperature == 0:
+                tok = logits.argmax(-1)
+            else:
+                tok = torch.multinomial(_filter_logits(logits, temperature, top_k, top_p).softmax(-1), 1, generator=gen)[:, 0]
+            alive.append(~done)
+            toks.append(tok)
+            lps.append(raw_logp.gather(-1, tok[:, None])[:, 0])
+            done = done | (tok == eos)
+            if done.all():
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=out.past_key_values,
+                             use_cache=True)
+        alive, toks, lps = torch.stack(alive, 1), torch.stack(toks, 1), torch.stack(lps, 1)   # (b, L)
+        lengths = alive.sum(1).tolist()
+        ids = [t[:k] for t, k in zip(toks.tolist(), lengths)]
+        return ids, [lp[:k] for lp, k in zip(lps.tolist(), lengths)], [bool(x) for x in done.tolist()]
+
+
+# ---- the vLLM backend (GPU only) -----------------------------------------------------------------
+class VLLMSampler:
+    """A vLLM engine colocated with the trainer on one GPU, using a share of its memory."""
+
+    def __init__(self, model_dir, tokenizer, gpu_memory_utilization=0.3, max_model_len=2048, seed=0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: weights reachable
+        from vllm import LLM
+        self.tok = tokenizer
+        self.llm = LLM(model=model_dir, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
+                       dtype="bfloat16", max_model_len=max_model_len, seed=seed)
+
+    def sync(self, model):
+        """Copy the trainer's current weights into the engine (the vLLM 0.10 in-process path TRL uses)."""
+        engine_model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        engine_model.load_weights(model.state_dict().items())
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+
+    def sleep(self):
+        self.llm.sleep(level=1)  # weights to CPU, KV cache freed: the optimizer step gets the memory
+
+    def wake(self):
+        self.llm.wake_up()
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
+        from vllm import SamplingParams
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                                max_tokens=max_new_tokens, seed=seed, logprobs=0)  # raw logprobs by default
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        comps = [c for o in outs for c in o.outputs]
+        return Rollouts([list(o.prompt_token_ids) for o in outs], [list(c.token_ids) for c in comps],
+                        [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
+                        [c.text for c in comps], [c.finish_reason == "stop" for c in comps])
+
+
+def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048):
+    """`hf`: the training model itself samples. `vllm`: an engine loaded from `model_dir`, synced from the
+    trainer before each rollout (GPU only)."""
+    if backend == "vllm":
+        return VLLMSampler(model_dir, tokenizer, max_model_len=max_model_len, seed=seed)
+    if backend != "hf":
+        raise CountdownError(f"--backend must be hf or vllm, not {backend!r}")
+    return HFSampler(model, tokenizer)
+
+
+def rollout_batch(ro, rows, pad_id):
+    """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut to
+    these rows' longest, and the sampler's log-probs (b, T-1) aligned with token_stats' outputs."""
+    n = len(ro.completion_ids) // len(ro.prompt_ids)
+    ids, attn, mask = pack([ro.prompt_ids[r // n] for r in rows], [ro.completion_ids[r] for r in rows], pad_id)
+    sel = mask[:, 1:].bool()
+    lp = torch.tensor([x for r in rows for x in ro.logprobs[r]], dtype=torch.float32)
+    return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
