@@ -155,11 +155,12 @@ def main(argv=None):
         keep = torch.tensor(ro.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B * G)
         n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)     # tokens in the loss
         # ---- num_iterations passes over the batch, forward / backward per micro-batch ----
+        by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
         sums = {k: 0.0 for k in ("loss", "entropy", "kl", "is_weight", "clip_frac")}
         gap, w_max, ref_cache, grad_norms = 0.0, 0.0, {}, []
         for it in range(args.num_iterations):
             for s in range(0, B * G, args.micro_batch):
-                rows = list(range(s, min(s + args.micro_batch, B * G)))
+                rows = by_len[s:s + args.micro_batch]
                 ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device):

@@ -139,10 +139,11 @@ def main(argv=None):
         reward = reward.view(B, G)                                                     # (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- forward / backward per micro-batch of rollouts ----
+        by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
         sums = {k: 0.0 for k in ("loss", "entropy", "kl", "is_weight")}
         gap, w_max, n_tok = 0.0, 0.0, sum(map(len, ro.completion_ids))
         for s in range(0, B * G, args.micro_batch):
-            rows = list(range(s, min(s + args.micro_batch, B * G)))
+            rows = by_len[s:s + args.micro_batch]
             ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
             with autocast(device):
                 st = token_stats(model, ids, attn, mask, entropy=True)

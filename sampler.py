@@ -78,29 +78,36 @@ class HFSampler:
         attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-        done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
-        toks, lps, alive = [], [], []
-        for _ in range(max_new_tokens):
-            logits = out.logits[:, -1]                                                          # (b, V)
-            raw_logp = torch.log_softmax(logits.float(), -1)
+        b = len(rows)
+        toks = torch.full((b, max_new_tokens), eos, device=dev)                                 # (b, L)
+        lps = torch.zeros(b, max_new_tokens, device=dev)
+        lengths = torch.zeros(b, dtype=torch.long, device=dev)
+        live = torch.arange(b, device=dev)  # which of the b rows the running batch (and its cache) holds
+        active = torch.ones(b, dtype=torch.bool, device=dev)  # live rows that have not produced EOS yet
+        for t in range(max_new_tokens):
+            logits = out.logits[:, -1]                                                          # (live, V)
             if temperature == 0:
                 tok = logits.argmax(-1)
             else:
                 tok = torch.multinomial(_filter_logits(logits, temperature, top_k, top_p).softmax(-1), 1, generator=gen)[:, 0]
-            alive.append(~done)
-            toks.append(tok)
-            lps.append(raw_logp.gather(-1, tok[:, None])[:, 0])
-            done = done | (tok == eos)
-            if done.all():
+            rows_t = live[active]
+            toks[rows_t, t] = tok[active]
+            lps[rows_t, t] = torch.log_softmax(logits[active].float(), -1).gather(-1, tok[active, None])[:, 0]  # raw, T = 1
+            lengths[rows_t] += 1
+            active = active & (tok != eos)
+            if not active.any():
                 break
+            if active.sum() <= 0.75 * len(live):  # drop finished rows from the batch and its KV cache
+                keep = active.nonzero()[:, 0]
+                out.past_key_values.batch_select_indices(keep)
+                live, tok, attn, pos, active = live[keep], tok[keep], attn[keep], pos[keep], active[keep]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
             pos = pos[:, -1:] + 1
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=out.past_key_values,
                              use_cache=True)
-        alive, toks, lps = torch.stack(alive, 1), torch.stack(toks, 1), torch.stack(lps, 1)   # (b, L)
-        lengths = alive.sum(1).tolist()
-        ids = [t[:k] for t, k in zip(toks.tolist(), lengths)]
-        return ids, [lp[:k] for lp, k in zip(lps.tolist(), lengths)], [bool(x) for x in done.tolist()]
+        finished = (toks.gather(1, (lengths - 1)[:, None])[:, 0] == eos).tolist()
+        lengths = lengths.tolist()
+        return [x[:k] for x, k in zip(toks.tolist(), lengths)], [x[:k] for x, k in zip(lps.tolist(), lengths)], finished
 
 
 # ---- the vLLM backend (GPU only) -----------------------------------------------------------------
