@@ -10,13 +10,13 @@ Departures from the paper:
      sampler μ *is* the current policy (no lag), so w = 1 and this KL and its gradient are ~0; they
      only act with vLLM's snapshot or a slower weight sync.
   2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
-  3. Embedded setting: generated tasks, a tiny model, 16 prompts x 8, a larger lr (README, "RL").
+  3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps (README, "RL").
 
 Real (1×H100, the paper's recipe = the defaults):  python rloo.py --init out/sft --backend vllm --output_dir out/rloo
-CPU (embedded, ~5 minutes on 2 cores; what run_cpu.sh runs):
+CPU (embedded, ~3 minutes on 2 cores with its three evaluations; what run_cpu.sh runs):
   python rloo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
-      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 5e-5 --batch_size 16 --micro_batch 64 \
-      --max_response_len 160 --max_steps 150 --eval_every 50 --output_dir out/cpu/rloo
+      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --batch_size 64 --micro_batch 128 \
+      --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir out/cpu/rloo
 """
 import math
 import random
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, make_prompt, parse_args, \
-    save_checkpoint, seed_everything, token_stats
+from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, parse_args, save_checkpoint, \
+    seed_everything, token_stats
 from evaluate import eval_metrics
-from sampler import make_sampler, rollout_batch
+from sampler import make_sampler, rollout_batch, rollouts
 from verifier import dense_score, score
 
 
@@ -123,13 +123,7 @@ def main(argv=None):
         if len(order) < B:
             order = rng.sample(range(len(tasks)), len(tasks))
         batch, order = [tasks[i] for i in order[:B]], order[B:]
-        prompts = [make_prompt(t["nums"], t["target"], args.template) for t in batch]
-        if max(len(p) for p in tok(prompts, add_special_tokens=False)["input_ids"]) > args.max_prompt_len:
-            raise CountdownError(f"a prompt is longer than --max_prompt_len {args.max_prompt_len}")
-        sampler.wake()
-        sampler.sync(model)
-        ro = sampler.generate(prompts, G, args.temperature, 1.0, 0, args.max_response_len, seed=args.seed * 100_003 + step)
-        sampler.sleep()
+        ro = rollouts(sampler, model, tok, batch, G, args, seed=args.seed * 100_003 + step)
         t_sample = time.time() - t0
         # ---- score and advantage ----
         row_tasks = [t for t in batch for _ in range(G)]
@@ -149,11 +143,12 @@ def main(argv=None):
                 st = token_stats(model, ids, attn, mask, entropy=True)
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device), args)
-            (loss.sum() / (B * G)).backward()
-            sums["loss"] += loss.detach().sum().item()
-            sums["is_weight"] += parts["is_weight"].sum().item()
+            loss = loss.sum() / (B * G)                                                # −(1/G) Σ_i, mean over prompts
+            loss.backward()
+            sums["loss"] += loss.item()
+            sums["is_weight"] += parts["is_weight"].sum().item() / (B * G)
             for k in ("entropy", "kl"):
-                sums[k] += (parts[k] * m).sum().item() / n_tok * (B * G)  # token means over the batch
+                sums[k] += (parts[k] * m).sum().item() / n_tok  # token means over the batch
             gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
             w_max = max(w_max, parts["is_weight"].max().item())
         if not math.isfinite(sums["loss"]):
@@ -163,11 +158,14 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         # ---- log (001's flatline diagnostics), evaluate, checkpoint ----
         group_std = reward.std(1)                                                      # (B,) within-group spread
-        metrics = {f"train/{k}": v / (B * G) for k, v in sums.items()}
-        metrics.update({"train/reward": reward.mean(), "train/accuracy": (exact == 1).float().mean(), "train/reward_std": group_std.mean(),
-                        "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
-                        "train/resp_len": n_tok / (B * G), "train/truncated": 1 - sum(ro.finished) / (B * G),
-                        "train/format": (exact > 0).float().mean(), "train/is_weight_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr, "train/grad_norm": grad_norm,
+        metrics = {f"train/{k}": v for k, v in sums.items()}
+        metrics.update({"train/reward": reward.mean(), "train/accuracy": (exact == 1).float().mean(),
+                        "train/reward_std": group_std.mean(), "train/adv_std": adv.std(),
+                        "train/zero_adv_groups": (group_std == 0).float().mean(),
+                        "train/resp_len": n_tok / (B * G),
+                        "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
+                        "train/is_weight_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
+                        "train/grad_norm": grad_norm,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(eval_metrics(model, tok, eval_tasks, args))

@@ -42,4 +42,14 @@ stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --num_prompts
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"
 evaluate ipo
 
-python evaluate.py --plot "$OUT/eval/sft,$OUT/eval/ipo" --out "$OUT/pass_at_k.png"
+# 3. RLOO from the SFT checkpoint (000 Eq. 3): 64 prompts x 8 rollouts per step, the paper's knobs
+stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 64 --micro_batch 128 \
+  --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir "$OUT/rloo"
+evaluate rloo
+
+# 4. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model
+stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 64 --group_size 8 --micro_batch 128 \
+  --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir "$OUT/grpo"
+evaluate grpo
+
+python evaluate.py --plot "$OUT/eval/sft,$OUT/eval/ipo,$OUT/eval/rloo,$OUT/eval/grpo" --out "$OUT/pass_at_k.png"

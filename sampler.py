@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import CountdownError, pack
+from common import CountdownError, make_prompt, pack
 
 
 # ---- the HF backend ------------------------------------------------------------------------------
@@ -162,3 +162,16 @@ def rollout_batch(ro, rows, pad_id):
     sel = mask[:, 1:].bool()
     lp = torch.tensor([x for r in rows for x in ro.logprobs[r]], dtype=torch.float32)
     return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
+
+
+def rollouts(sampler, model, tokenizer, tasks, n, args, seed):
+    """n completions for each task's prompt from `sampler` after syncing it to `model`, with the RL
+    scripts' flags (template, max_prompt_len, temperature, max_response_len); top_p 1 and no top_k."""
+    prompts = [make_prompt(t["nums"], t["target"], args.template) for t in tasks]
+    if max(len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]) > args.max_prompt_len:
+        raise CountdownError(f"a prompt is longer than --max_prompt_len {args.max_prompt_len}")
+    sampler.wake()
+    sampler.sync(model)
+    ro = sampler.generate(prompts, n, args.temperature, 1.0, 0, args.max_response_len, seed)
+    sampler.sleep()  # vLLM hands its GPU memory back for the update
+    return ro
