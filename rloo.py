@@ -61,7 +61,7 @@ class Args:
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # RLOO specific
-    entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; 10x is its anti-collapse knob)")
+    entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2; it acts near 1 here: README)")
     kl_coef: float = arg(1e-3, "λ_KL, KL penalty to the sampling policy μ (000 Table 5)")
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
 

@@ -42,7 +42,9 @@ def _filter_logits(logits, temperature, top_k, top_p):
 
 class HFSampler:
     """Plain-PyTorch KV-cache sampling with the training model itself (so sync() has nothing to copy).
-    Rows are left-padded and decoded in batches of `batch_size`; a batch stops when every row hit EOS."""
+    Rows are left-padded and decoded in batches of `batch_size`. Rows that hit EOS leave the batch and its
+    KV cache whenever a quarter of it has finished (RL rollouts vary 2-3x in length); the batch stops
+    when every row has."""
 
     def __init__(self, model, tokenizer, batch_size=256):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
