@@ -31,8 +31,7 @@ import torch
 from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, parse_args, save_checkpoint, \
     seed_everything, token_stats
 from evaluate import eval_metrics
-from sampler import make_sampler, rollout_batch, rollouts
-from verifier import dense_score, score
+from sampler import make_sampler, rollout_batch, rollouts, score_rollouts
 
 
 @dataclass
@@ -140,11 +139,7 @@ def main(argv=None):
         ro = rollouts(sampler, model, tok, batch, G, args, seed=args.seed * 100_003 + step)
         t_sample = time.time() - t0
         # ---- score and advantage ----
-        row_tasks = [t for t in batch for _ in range(G)]
-        exact = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])   # (B*G,)
-        reward = exact if args.reward == "sparse" else \
-            torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
-        reward = reward.view(B, G)                                                     # (B, G)
+        exact, reward = score_rollouts(ro, batch, args.reward)                          # (B*G,), (B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
         keep = torch.tensor(ro.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B * G)
         n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)     # tokens in the loss

@@ -6,6 +6,8 @@ vLLM ships CUDA wheels only, so VLLMSampler has never run on the CPU machines th
 and tested on; vllm is imported inside it, so nothing on the CPU path touches it. Its weight sync uses
 the in-process engine path TRL's colocate mode used with 0.10: a newer vLLM may move it, which the
 sampler/trainer log-prob canary every RL script logs (train/sampler_gap) would show at once.
+The RL scripts' rollout plumbing is here too: rollouts() samples, score_rollouts() runs the verifier,
+rollout_batch() turns rows into trainer tensors.
 """
 import os
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from common import CountdownError, make_prompt, pack
+from verifier import dense_score, score
 
 
 # ---- the HF backend ------------------------------------------------------------------------------
@@ -177,3 +180,14 @@ def rollouts(sampler, model, tokenizer, tasks, n, args, seed):
     ro = sampler.generate(prompts, n, args.temperature, 1.0, 0, args.max_response_len, seed)
     sampler.sleep()  # vLLM hands its GPU memory back for the update
     return ro
+
+
+def score_rollouts(ro, tasks, reward="sparse"):
+    """The verifier on every rollout: exact scores (n·len(tasks),) in {0, 0.1, 1}, for accuracy and format,
+    and the training reward (len(tasks), n): the same scores, or paper 001's dense partial credit."""
+    n = len(ro.texts) // len(tasks)
+    row_tasks = [t for t in tasks for _ in range(n)]
+    exact = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
+    if reward == "dense":
+        return exact, torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]).view(-1, n)
+    return exact, exact.view(-1, n)

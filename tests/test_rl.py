@@ -11,6 +11,7 @@ import torch
 import common as C
 import grpo
 import rloo
+import sampler as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GEN = "gen:nums=3,range=1-9,test=20,val=8"
@@ -102,6 +103,17 @@ def test_rloo_loss_by_hand():
     loss2, parts = rloo.rloo_loss(logp, old, entropy, mask, torch.tensor([0.5]), args)
     assert abs(parts["is_weight"].item() - 0.5) < 1e-6
     assert abs(loss2.item() - (-0.5 * 0.5 * -3.0 - 0.2 + (1 - math.log(2)) / 2)) < 1e-6
+
+
+def test_score_rollouts_sparse_and_dense():
+    texts = ["<answer>1 + 2</answer>", "<answer>1 - 2</answer>", "no answer", "<answer>3 * 3</answer>"]
+    ro = S.Rollouts([[1], [2]], [[0]] * 4, [[0.0]] * 4, texts, [True] * 4)
+    tasks = [{"nums": [1, 2], "target": 3}, {"nums": [3, 3], "target": 10}]
+    exact, reward = S.score_rollouts(ro, tasks, "sparse")
+    assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1])) and torch.equal(reward, exact.view(2, 2))
+    exact, reward = S.score_rollouts(ro, tasks, "dense")                         # 9 vs 10: 0.1 + 0.5 · 0.9
+    assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
+    assert torch.allclose(reward, torch.tensor([[1.0, 0.1], [0.0, 0.55]]))
 
 
 @pytest.fixture(scope="module")
