@@ -255,6 +255,14 @@ def save_checkpoint(model, tokenizer, output_dir):
     os.rmdir(tmp)
 
 
+def check_same_tokenizer(tok, other, name, other_name):
+    """Token-level KL between two models needs one vocabulary (Qwen 0.5B and 7B share theirs; only the
+    embedding padding differs, which token_stats cuts off)."""
+    if tok.get_vocab() != other.get_vocab():
+        raise CountdownError(f"{name} and {other_name} have different tokenizers ({len(tok)} vs {len(other)} tokens): "
+                             "a token-level KL needs one vocabulary; train both from the same base (any `tiny` shares one)")
+
+
 # ---- tokenization with response masks ------------------------------------------------------------
 def pack(prompt_ids, response_ids, pad_id):
     """Right-padded (B, T) input_ids, attention_mask, response_mask from token-id lists. The response
@@ -300,10 +308,12 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
 
 
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False, teacher=None,
-                kd_temperature=1.0, chunk_size=None):
+                kd_temperature=1.0, chunk_size=None, teacher_inputs=None):
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at `temperature`;
     with a `teacher`, forward KL (B, T-1) at `kd_temperature` over the shared vocab (Qwen pads 151,936
-    vs 152,064: cut to the smaller); `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head
+    vs 152,064: cut to the smaller); the teacher reads `teacher_inputs` = (input_ids, attention_mask) of the
+    same (B, T) shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
+    relative positions), else the same tokens. `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head
     runs on `chunk_size` positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so
     memory scales with the chunk, not B x T x V, in forward and (checkpointed) backward."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
@@ -314,7 +324,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     t_h = t_weight = None
     if teacher is not None:
         with torch.no_grad():
-            t_h = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1][sel]
+            t_ids, t_attn = teacher_inputs or (input_ids, attention_mask)
+            t_h = teacher.base_model(input_ids=t_ids, attention_mask=t_attn).last_hidden_state[:, :-1][sel]
             t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
     chunk_size = chunk_size or max(1, 2**26 // weight.shape[0])
     recompute = torch.is_grad_enabled() and h.shape[0] > chunk_size  # one chunk: nothing to save by recomputing

@@ -59,6 +59,7 @@ class Args:
     warmup: float = arg(0.05, "warmup fraction of the cosine schedule")
     num_train: int = arg(20_000, "gen data: problems to write traces for (fewer if the space runs dry)")
     dead_ends: int = arg(0, "gen data: at most this many abandoned tries before the solution in a trace")
+    fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new one each epoch")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
     tiny_layers: int = arg(4, "tiny model: transformer layers")
 
@@ -74,8 +75,9 @@ def sft_data(args, split, n):
     another solution path, other dead ends), or a dataset's fixed query/completion pairs."""
     if args.data.startswith("gen"):
         tasks = load_tasks(args.data, split, n)
-        return [make_prompt(t["nums"], t["target"], args.template) for t in tasks], \
-            lambda rng: [make_trace(t["nums"], t["target"], rng, args.dead_ends) for t in tasks]
+        write = lambda rng: [make_trace(t["nums"], t["target"], rng, args.dead_ends) for t in tasks]  # noqa: E731
+        fixed = write(random.Random(args.seed)) if args.fixed_traces else None
+        return [make_prompt(t["nums"], t["target"], args.template) for t in tasks], lambda rng: fixed or write(rng)
     if os.path.exists(args.data):  # a file has no splits: its last rows (up to 10%) are the held-out set
         rows = load_records(args.data, "train", ["query", "completion"])
         k = min(args.eval_problems, len(rows) // 10)

@@ -1,5 +1,6 @@
 import json
 import os
+import random
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -115,3 +116,13 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
                       "--eval_max_new_tokens", "4", "--output_dir", str(tmp_path / "out")])
     assert model is not None and os.path.isfile(tmp_path / "out" / "model.safetensors")
     assert "18 training examples" in capsys.readouterr().out  # a file's last rows (here 2) are held out
+
+
+def test_generated_traces_are_new_each_epoch_unless_fixed():
+    args = sft.parse_args(sft.Args, ["--data", "gen:nums=3,range=1-20,test=5,val=5", "--dead_ends", "3"])
+    prompts, write = sft.sft_data(args, "train", 50)
+    a, b = write(random.Random(1)), write(random.Random(2))
+    assert len(prompts) == len(a) == 50 and a != b               # another solution path, other dead ends
+    args.fixed_traces = True
+    _, write = sft.sft_data(args, "train", 50)
+    assert write(random.Random(1)) == write(random.Random(2))    # one dataset for the whole run
