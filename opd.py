@@ -1,0 +1,174 @@
+"""OPD: on-policy distillation from a frozen teacher, hybrid with RLOO (paper 000 §3.3, Eq. 4, Algorithm 1).
+
+    L = λ_KL · mean_t KL(softmax(z_T/T) ‖ softmax(z_S/T))  +  λ_RL · L_PG  −  λ_H · mean_t H(softmax(z_S))   (Eq. 4)
+    L_PG = −w_i A_i log π_θ(y_i|x),  A_i = R_i − mean_{j≠i} R_j,  w_i = clip(π_θ/μ, max 10)  (Eq. 3, T = 1)
+
+The student samples; the teacher only scores the student's own tokens, so its guidance lands where the
+student actually goes. Forward KL (teacher first) is mode-covering: the student pays for giving low mass
+to any token the teacher finds plausible. λ_KL = λ_RL = 0.5 lets the verifier overrule an imperfect teacher.
+Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_coef 1e-2 --kd_temperature 1.3.
+Departures from the paper:
+  1. The KL and the entropy are means over each rollout's tokens, then averaged over rollouts like L_PG.
+  2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
+  3. Embedded setting: a stronger tiny teacher written by sft.py, 64 prompts x 8, lr 1e-4 (README, "OPD").
+
+Real (1×H100, the paper's recipe = the defaults):  python opd.py --init out/sft --teacher out/teacher --backend vllm
+  anti-collapse: python opd.py --init out/opd --entropy_coef 1e-2 --kd_temperature 1.3 --max_steps 150 --output_dir out/opd_ac
+CPU (embedded; what run_cpu.sh runs):
+  python opd.py --init out/cpu/sft --teacher out/cpu/teacher --data gen:nums=3,range=1-20,test=200,val=100 \
+      --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --eval_max_new_tokens 160 \
+      --lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir out/cpu/opd
+"""
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common import CountdownError, Logger, arg, autocast, check_same_tokenizer, cli, load_model, load_tasks, \
+    parse_args, save_checkpoint, seed_everything, token_stats
+from evaluate import eval_metrics
+from sampler import make_sampler, rollout_batch, rollouts, score_rollouts
+
+
+@dataclass
+class Args:
+    # shared by every script, in this order
+    init: str = arg("out/sft", "checkpoint to start from (the student: SFT model, or OPD for anti-collapse)")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks whose prompts are rolled out (its train split)")
+    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic pass@k (its `val` split)")
+    output_dir: str = arg("out/opd", "where the checkpoint, args.json and metrics.jsonl go")
+    seed: int = arg(0, "seed for task order and sampling")
+    template: str = arg("base", "prompt template: base | compact")
+    lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
+    batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000: 128 x 8)")
+    micro_batch: int = arg(8, "rollouts per forward/backward (bounds memory: student + teacher activations)")
+    weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
+    grad_clip: float = arg(1.0, "global grad-norm clip")
+    max_prompt_len: int = arg(512, "prompts longer than this are an error")
+    max_response_len: int = arg(1024, "rollout budget in new tokens (000 Table 5)")
+    eval_every: int = arg(50, "steps between held-out evaluations (0: only at start and end)")
+    eval_problems: int = arg(200, "held-out problems per evaluation")
+    eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
+    eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
+    wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    # on-policy RL, shared by rloo/grpo/opd/rlt
+    max_steps: int = arg(100, "optimizer steps, one rollout batch each (000 Table 5: 100; anti-collapse 150)")
+    group_size: int = arg(8, "G rollouts per prompt")
+    temperature: float = arg(1.0, "rollout sampling temperature (000: 1.0; top_p 1, no top_k)")
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
+    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
+    # OPD specific
+    teacher: str = arg("out/teacher", "frozen teacher checkpoint; must share the student's tokenizer")
+    kl_coef: float = arg(0.5, "λ_KL, weight of the forward KL to the teacher (000 Algorithm 1)")
+    rl_coef: float = arg(0.5, "λ_RL, weight of the RLOO policy gradient (000 Algorithm 1; 0: pure distillation)")
+    entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2)")
+    kd_temperature: float = arg(1.0, "T of the distillation KL (000: 1.0; anti-collapse 1.3)")
+    is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
+
+
+def rloo_advantages(reward):
+    """Eq. 3's leave-one-out baseline (Algorithm 1 line 2). reward (B, G) -> A (B, G): each rollout minus
+    the mean of the other G−1 of its prompt; every group sums to zero."""
+    G = reward.shape[1]
+    baseline = (reward.sum(1, keepdim=True) - reward) / (G - 1)                       # (B, G)
+    return reward - baseline
+
+
+def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, args):
+    """Algorithm 1 lines 5-9 per rollout (b,). logp: raw (T = 1) student log-probs of the sampled tokens;
+    old_logp: the sampler μ's; teacher_kl: KL(teacher ‖ student) at kd_temperature per token; entropy:
+    the student's at T = 1; all (b, T-1); mask (b, T-1); adv (b,). The caller averages over rollouts."""
+    n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
+    logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)               # (b,) log π(y_i|x)
+    w = (logp_seq - old_seq).detach().exp().clamp(max=args.is_clip)                    # (b,) line 6, detached
+    pg = -w * adv * logp_seq                                                           # (b,) line 7
+    kl = (teacher_kl * mask).sum(-1) / n_tok                                           # (b,) line 5: mean_t
+    ent = (entropy * mask).sum(-1) / n_tok                                             # (b,) line 8: mean_t
+    loss = args.kl_coef * kl + args.rl_coef * pg - args.entropy_coef * ent             # (b,) line 9 (Eq. 4)
+    return loss, {"pg": pg.detach(), "is_weight": w}
+
+
+def main(argv=None):
+    args = parse_args(Args, argv)
+    seed_everything(args.seed)
+    if args.reward not in ("sparse", "dense"):
+        raise CountdownError(f"--reward must be sparse or dense, not {args.reward!r}")
+    if args.group_size < 2:
+        raise CountdownError("--group_size must be at least 2: the baseline is the other rollouts of the prompt")
+    if args.kd_temperature <= 0:
+        raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = load_model(args.init, device, torch.float32)  # fp32 master weights; bf16 compute via autocast
+    # The teacher never trains: bf16 weights on a GPU halve its memory (000: a 7B teacher beside a 0.5B student).
+    teacher, teacher_tok = load_model(args.teacher, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    teacher.eval().requires_grad_(False)
+    check_same_tokenizer(tok, teacher_tok, args.init, args.teacher)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    tasks, eval_tasks = load_tasks(args.data, "train"), load_tasks(args.eval_data, "val", args.eval_problems)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (000)
+    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project)
+    B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
+    log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
+    for step in range(1, args.max_steps + 1):
+        t0 = time.time()
+        # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
+        if len(order) < B:
+            order = rng.sample(range(len(tasks)), len(tasks))
+        batch, order = [tasks[i] for i in order[:B]], order[B:]
+        ro = rollouts(sampler, model, tok, batch, G, args, seed=args.seed * 100_003 + step)
+        t_sample = time.time() - t0
+        # ---- score and advantage ----
+        exact, reward = score_rollouts(ro, batch, args.reward)                          # (B*G,), (B, G)
+        adv = rloo_advantages(reward).flatten()                                        # (B*G,)
+        # ---- forward / backward per micro-batch: student with grad, teacher without ----
+        by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
+        sums = {k: 0.0 for k in ("loss", "kl", "pg", "entropy", "is_weight")}
+        gap, w_max, n_tok = 0.0, 0.0, sum(map(len, ro.completion_ids))
+        for s in range(0, B * G, args.micro_batch):
+            rows = by_len[s:s + args.micro_batch]
+            ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
+            with autocast(device):  # logp and entropy at T = 1, the KL at kd_temperature, in vocab chunks
+                st = token_stats(model, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=args.kd_temperature)
+            m = mask[:, 1:].float()                                                    # (b, T-1)
+            loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m, adv[rows].to(device), args)
+            loss = loss.sum() / (B * G)                                                # mean over rollouts
+            loss.backward()
+            sums["loss"] += loss.item()
+            sums["pg"] += parts["pg"].sum().item() / (B * G)
+            sums["is_weight"] += parts["is_weight"].sum().item() / (B * G)
+            for k in ("kl", "entropy"):  # token means over the batch, as rloo.py logs them
+                sums[k] += (st[k].detach() * m).sum().item() / n_tok
+            gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
+            w_max = max(w_max, parts["is_weight"].max().item())
+        if not math.isfinite(sums["loss"]):
+            raise CountdownError(f"loss is {sums['loss']} at step {step}; the last good checkpoint is in {args.output_dir}")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # ---- log (001's flatline diagnostics), evaluate, checkpoint ----
+        group_std = reward.std(1)                                                      # (B,) within-group spread
+        metrics = {f"train/{k}": v for k, v in sums.items()}
+        metrics.update({"train/reward": reward.mean(), "train/accuracy": (exact == 1).float().mean(),
+                        "train/reward_std": group_std.mean(), "train/adv_std": adv.std(),
+                        "train/zero_adv_groups": (group_std == 0).float().mean(),
+                        "train/resp_len": n_tok / (B * G),
+                        "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
+                        "train/is_weight_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
+                        "train/grad_norm": grad_norm,
+                        "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            metrics.update(eval_metrics(model, tok, eval_tasks, args))
+            save_checkpoint(model, tok, args.output_dir)
+        log.log(step, metrics)
+    log.close()
+    print(f"saved {args.output_dir}")
+    return model
+
+
+if __name__ == "__main__":
+    cli(main)
