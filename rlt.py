@@ -1,0 +1,316 @@
+"""RLT: a Reinforcement-Learned Teacher that explains a given solution to a frozen student (paper 004 §3).
+
+    r_SS = avg_t log π_s(s_t | q, e) + α · min_t log π_s(s_t | q, e)                                  (Eq. 3)
+    r_KL = avg_t KL(π_θ(·| q, s, e_<t) ‖ π_s(·| q, e_<t)) + α · max_t KL(...)   over explanation tokens (Eq. 4)
+    r = r_SS − λ r_KL  (λ 3, α 0.01; −1 without </think> or when truncated)    A = GRPO's Eq. 2 on r   (Eq. 5-6)
+
+The teacher sees the question *and* the solver's equation and writes the explanation e; the reward asks
+the frozen student two things: does e make the solution likely (r_SS), and is every step of e a likely
+step from the student's side, without the solution in view (r_KL)? A dense reward: no exploration wall.
+Departures from the paper:
+  1. Prompt formats (004 Fig. 6-7) are the Countdown ones: the teacher's assistant turn opens with
+     `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e, `</think>\\n<answer>s</answer>`.
+  2. The solution tokens s are the expression and `</answer>`; the explanation is retokenized from text.
+  3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass, k3 KL to a synced reference.
+  4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8 (README, "RLT").
+
+Real (1×H100):  python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
+CPU (embedded; what run_cpu.sh runs):
+  python rlt.py --init out/cpu/sft --student out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 \
+      --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --lr 1e-4 --batch_size 16 \
+      --group_size 8 --micro_batch 128 --max_response_len 160 --max_steps 30 --eval_every 10 --export out/cpu/rlt/traces.jsonl
+"""
+import copy
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common import CountdownError, Logger, arg, autocast, check_same_tokenizer, cli, load_model, load_tasks, \
+    make_prompt, parse_args, save_checkpoint, seed_everything, token_stats
+from sampler import make_sampler, rollout_batch
+from verifier import solve
+
+
+@dataclass
+class Args:
+    # shared by every script, in this order
+    init: str = arg("out/sft", "checkpoint the teacher starts from (004: after a short SFT in its format)")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks to explain (its train split; unsolvable ones are skipped)")
+    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic held-out reward (its `val` split)")
+    output_dir: str = arg("out/rlt", "where the checkpoint, args.json and metrics.jsonl go")
+    seed: int = arg(0, "seed for task order and sampling")
+    template: str = arg("base", "prompt template of the student format: base | compact")
+    lr: float = arg(1e-6, "constant learning rate (004 Table 3)")
+    batch_size: int = arg(16, "prompts per step; each gets --group_size explanations (004: 1024 = 16 x 64)")
+    micro_batch: int = arg(8, "rows per forward/backward (bounds memory)")
+    weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 3)")
+    grad_clip: float = arg(1.0, "global grad-norm clip")
+    max_prompt_len: int = arg(512, "prompts longer than this are an error")
+    max_response_len: int = arg(1024, "explanation budget in new tokens; longer ones get the −1 penalty")
+    eval_every: int = arg(25, "steps between held-out evaluations (0: only at start and end)")
+    eval_problems: int = arg(200, "held-out problems per evaluation")
+    eval_samples: int = arg(4, "explanations per held-out problem")
+    eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
+    wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    # on-policy RL, shared by rloo/grpo/opd/rlt (no --reward: the reward is the RLT one)
+    max_steps: int = arg(125, "rollout batches, one optimizer step each (004 Table 3; 0: only --export)")
+    group_size: int = arg(64, "G explanations per prompt (004: 64)")
+    temperature: float = arg(0.7, "sampling temperature for training and export (004 Tables 3-4)")
+    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
+    # RLT specific
+    student: str = arg("out/sft", "the frozen student whose log-probs make the reward; shares the tokenizer")
+    lam: float = arg(3.0, "λ, weight of r_KL (004: 3)")
+    alpha: float = arg(0.01, "α, weight of the min / max terms in r_SS / r_KL (004: 0.01)")
+    penalty: float = arg(-1.0, "reward of an explanation without </think> or cut at --max_response_len (004: −1)")
+    beta: float = arg(0.04, "β, weight of the k3 KL to the reference teacher (004 Table 3)")
+    epsilon: float = arg(0.2, "PPO clip ε")
+    ref_sync_every: int = arg(32, "every N steps π_ref ← mix · π_θ + (1 − mix) · π_ref (004: 32; 0: never)")
+    ref_sync_mix: float = arg(0.9, "the mixup of a reference sync (004: 0.9)")
+    export: str = arg("", "after training, write student-format traces (query/completion JSONL) for sft.py --data")
+    export_problems: int = arg(2000, "train problems to export, from the first")
+    export_best_of: int = arg(1, "explanations drawn per exported problem; the best r_SS one is kept")
+
+
+# ---- the two prompt formats (004 Fig. 6-7, adapted) ------------------------------------------------
+def student_prompt(task, template):
+    return make_prompt(task["nums"], task["target"], template)                         # ends with "<think>"
+
+
+def teacher_prompt(task, solution, template):
+    """The student's prompt with the solution first in the assistant's turn; the explanation then opens
+    <think> (004 Fig. 7: solution block, then the explanation block)."""
+    return student_prompt(task, template).removesuffix("<think>") + f"<answer>{solution}</answer>\n<think>"
+
+
+def student_completion(explanation, solution):
+    """The distillation target d_i: the teacher's think tokens, then the solution (004 §3.2)."""
+    return f"{explanation}</think>\n<answer>{solution}</answer>"
+
+
+def explanation_of(text, finished):
+    """The think tokens of a teacher completion: the text before </think>; None (penalized) if the tag is
+    missing or the completion was cut off."""
+    return text.split("</think>")[0] if finished and "</think>" in text else None
+
+
+# ---- the reward (004 Eq. 3-5) ----------------------------------------------------------------------
+def rlt_reward(logp, kl, sol_mask, expl_mask, alpha, lam):
+    """Per row (b,): r, r_SS, r_KL. logp: the student's log-probs; kl: KL(teacher ‖ student) per token;
+    sol_mask / expl_mask: where the solution / explanation tokens are; all (b, T-1). An empty explanation
+    has r_KL = 0 (KL is never negative, so max over an empty set is taken as 0)."""
+    n_sol, n_expl = sol_mask.sum(-1).clamp(min=1), expl_mask.sum(-1).clamp(min=1)     # (b,)
+    r_ss = (logp * sol_mask).sum(-1) / n_sol + alpha * logp.masked_fill(sol_mask == 0, float("inf")).min(-1).values
+    r_kl = (kl * expl_mask).sum(-1) / n_expl + alpha * (kl * expl_mask).max(-1).values
+    return r_ss - lam * r_kl, r_ss, r_kl
+
+
+@torch.no_grad()
+def score_explanations(teacher, student, tok, tasks, sols, explanations, args, device):
+    """r, r_SS, r_KL (N,) for N explanations (None = penalized). Each row is run twice, aligned token for
+    token: the student reads q + e + s, the teacher q + s + e (its own format). The student's copy is
+    left-padded so both prompts end at the same position (RoPE sees only relative positions)."""
+    N = len(tasks)
+    out = torch.full((3, N), float("nan"))
+    out[0] = args.penalty
+    ok = [i for i in range(N) if explanations[i] is not None]
+    enc = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for s in range(0, len(ok), args.micro_batch):
+        rows = ok[s:s + args.micro_batch]
+        P_t = enc([teacher_prompt(tasks[i], sols[i], args.template) for i in rows])
+        P_s = enc([student_prompt(tasks[i], args.template) for i in rows])
+        E = enc([explanations[i] for i in rows])
+        S = enc([f"{sols[i]}</answer>" for i in rows])
+        tail = enc(["</think>\n<answer>"])[0]
+        P = max(map(len, P_t + P_s))
+        T = P + max(len(e) + len(tail) + len(x) for e, x in zip(E, S))
+        ids_t, ids_s = torch.full((2, len(rows), T), tok.pad_token_id)                 # (b, T) each
+        attn_t, attn_s, expl_mask, sol_mask = torch.zeros(4, len(rows), T, dtype=torch.long)
+        for r, (pt, ps, e, x) in enumerate(zip(P_t, P_s, E, S)):  # both prompts right-aligned at P
+            end = P + len(e) + len(tail) + len(x)
+            for ids, attn, p in ((ids_t, attn_t, pt), (ids_s, attn_s, ps)):
+                ids[r, P - len(p):end] = torch.tensor(p + e + tail + x)
+                attn[r, P - len(p):end] = 1
+            expl_mask[r, P:P + len(e)] = 1
+            sol_mask[r, end - len(x):end] = 1
+        with autocast(device):  # student log-probs and KL(teacher ‖ student) in vocab chunks
+            st = token_stats(student, ids_s.to(device), attn_s.to(device), (expl_mask + sol_mask).to(device),
+                             teacher=teacher, teacher_inputs=(ids_t.to(device), attn_t.to(device)))
+        r, r_ss, r_kl = rlt_reward(st["logp"], st["kl"], sol_mask[:, 1:].to(device).float(),
+                                   expl_mask[:, 1:].to(device).float(), args.alpha, args.lam)
+        out[:, rows] = torch.stack([r, r_ss, r_kl]).float().cpu()
+    return out[0], out[1], out[2]
+
+
+# ---- the GRPO update, with 004's choices -----------------------------------------------------------
+def grpo_advantages(reward, eps=1e-4):
+    """004 Eq. 2: (r − mean) / (std + ε) within each group of G. (B, G) -> (B, G); equal rewards -> 0."""
+    return (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + eps)
+
+
+def rlt_loss(logp, old_logp, ref_logp, mask, adv, args):
+    """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β k3(π_θ ‖ π_ref), averaged over each
+    rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None), mask: (b, T-1); adv: (b,)."""
+    ratio = (logp - old_logp).exp()                                                    # (b, T-1)
+    A = adv[:, None]
+    surrogate = torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon) * A)
+    log_r = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
+    kl = log_r.exp() - 1 - log_r                                                       # (b, T-1) k3
+    per_token = -surrogate + args.beta * kl
+    return (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1), {"kl": kl.detach()}
+
+
+def solved(tasks, n=None):
+    """(task, solver equation) for the first n tasks that have one."""
+    out = []
+    for t in tasks:
+        if n is not None and len(out) == n:
+            break
+        if (sol := solve(t["nums"], t["target"])) is not None:
+            out.append((t, sol))
+    return out
+
+
+def explain(sampler, model, tok, tasks, sols, n, args, seed, max_new_tokens):
+    """n teacher completions per task; returns (Rollouts, explanations with None where penalized)."""
+    prompts = [teacher_prompt(t, s, args.template) for t, s in zip(tasks, sols)]
+    if max(map(len, tok(prompts, add_special_tokens=False)["input_ids"])) > args.max_prompt_len:
+        raise CountdownError(f"a teacher prompt (question + solution) is longer than --max_prompt_len {args.max_prompt_len}")
+    sampler.wake()
+    sampler.sync(model)
+    ro = sampler.generate(prompts, n, args.temperature, 1.0, 0, max_new_tokens, seed)
+    sampler.sleep()
+    return ro, [explanation_of(x, f) for x, f in zip(ro.texts, ro.finished)]
+
+
+def held_out(sampler, model, student, tok, tasks, sols, args, device):
+    """eval/ metrics: the RLT reward of fresh explanations of held-out problems (004 §4.5's analysis)."""
+    ro, expl = explain(sampler, model, tok, tasks, sols, args.eval_samples, args, args.seed, args.eval_max_new_tokens)
+    rep = lambda xs: [x for x in xs for _ in range(args.eval_samples)]  # noqa: E731
+    r, r_ss, r_kl = score_explanations(model, student, tok, rep(tasks), rep(sols), expl, args, device)
+    good = torch.tensor([e is not None for e in expl])
+    return {"eval/reward": r.mean(), "eval/r_ss": r_ss[good].mean() if good.any() else float("nan"),
+            "eval/r_kl": r_kl[good].mean() if good.any() else float("nan"), "eval/penalized": 1 - good.float().mean()}
+
+
+def export_traces(sampler, model, student, tok, tasks, sols, args, device):
+    """sft.py-ready JSONL: per problem the best-r_SS explanation of --export_best_of, in the student format."""
+    k, written = args.export_best_of, 0
+    os.makedirs(os.path.dirname(os.path.abspath(args.export)), exist_ok=True)
+    with open(args.export + ".tmp", "w") as f:
+        for s in range(0, len(tasks), 256):
+            ts, ss = tasks[s:s + 256], sols[s:s + 256]
+            ro, expl = explain(sampler, model, tok, ts, ss, k, args, args.seed + 1 + s, args.max_response_len)
+            _, r_ss, _ = score_explanations(model, student, tok, [t for t in ts for _ in range(k)],
+                                            [x for x in ss for _ in range(k)], expl, args, device)
+            for j, (t, sol) in enumerate(zip(ts, ss)):
+                cands = [i for i in range(j * k, (j + 1) * k) if expl[i] is not None]
+                if cands:  # a problem whose every explanation was penalized is left out
+                    best = max(cands, key=lambda i: r_ss[i].item())
+                    f.write(json.dumps({"query": student_prompt(t, args.template), "nums": t["nums"], "target": t["target"],
+                                        "completion": student_completion(expl[best], sol), "r_ss": r_ss[best].item()}) + "\n")
+                    written += 1
+    os.replace(args.export + ".tmp", args.export)
+    print(f"exported {written} traces of {len(tasks)} problems to {args.export}")
+
+
+def main(argv=None):
+    args = parse_args(Args, argv)
+    seed_everything(args.seed)
+    if args.group_size < 2:
+        raise CountdownError("--group_size must be at least 2: the advantage compares explanations of one prompt")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = load_model(args.init, device, torch.float32)  # fp32 master weights; bf16 compute via autocast
+    student, student_tok = load_model(args.student, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    student.eval().requires_grad_(False)
+    check_same_tokenizer(tok, student_tok, args.init, args.student)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref: the initial teacher
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are skipped.
+    # Solved lazily: a 490k-row hub dataset of 4-number problems would take minutes up front.
+    tasks = load_tasks(args.data, "train", args.export_problems if args.max_steps == 0 else None)
+    eval_tasks = solved(load_tasks(args.eval_data, "val", args.eval_problems))
+    if not eval_tasks or not solved(tasks, 1):
+        raise CountdownError(f"no solvable tasks in {args.eval_data if not eval_tasks else args.data}")
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (004)
+    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project)
+    B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
+    ev_tasks, ev_sols = [t for t, _ in eval_tasks], [s for _, s in eval_tasks]
+    log.log(0, held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))  # where the init starts
+    for step in range(1, args.max_steps + 1):
+        t0 = time.time()
+        # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
+        batch = []
+        while len(batch) < B:  # unsolvable tasks drop out: draw until B are in
+            if not order:
+                order = rng.sample(range(len(tasks)), len(tasks))
+            take, order = order[:B - len(batch)], order[B - len(batch):]
+            batch += solved([tasks[i] for i in take])
+        sols = [s for _, s in batch for _ in range(G)]
+        ro, expl = explain(sampler, model, tok, [t for t, _ in batch], [s for _, s in batch], G, args,
+                           args.seed * 100_003 + step, args.max_response_len)
+        t_sample = time.time() - t0
+        # ---- score (the frozen student's view) and advantage ----
+        reward, r_ss, r_kl = score_explanations(model, student, tok, [t for t, _ in batch for _ in range(G)], sols,
+                                                expl, args, device)                    # (B*G,) each
+        adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
+        good = torch.tensor([e is not None for e in expl])
+        expl_tokens = sum(map(len, tok([e for e in expl if e is not None] or [""], add_special_tokens=False)["input_ids"]))
+        # ---- forward / backward per micro-batch of rollouts ----
+        by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
+        sums = {k: 0.0 for k in ("loss", "entropy", "kl")}
+        gap, n_tok = 0.0, sum(map(len, ro.completion_ids))
+        for s in range(0, B * G, args.micro_batch):
+            rows = by_len[s:s + args.micro_batch]
+            ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
+            m = mask[:, 1:].float()                                                    # (b, T-1)
+            with autocast(device):
+                st = token_stats(model, ids, attn, mask, entropy=True)
+                with torch.no_grad():
+                    ref_logp = token_stats(ref, ids, attn, mask)["logp"] if ref is not None else None
+            loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device), args)
+            loss = loss.sum() / (B * G)                                                # 1/G Σ_i, mean over prompts
+            loss.backward()
+            sums["loss"] += loss.item()
+            for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"])):
+                sums[k] += (v.detach() * m).sum().item() / n_tok  # token means over the batch
+            gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
+        if not math.isfinite(sums["loss"]):
+            raise CountdownError(f"loss is {sums['loss']} at step {step}; the last good checkpoint is in {args.output_dir}")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
+            with torch.no_grad():  # 004: a slowly moving reference instead of a frozen one
+                for p_ref, p in zip(ref.parameters(), model.parameters()):
+                    p_ref.mul_(1 - args.ref_sync_mix).add_(p, alpha=args.ref_sync_mix)
+        # ---- log, evaluate, checkpoint ----
+        metrics = {f"train/{k}": v for k, v in sums.items()}
+        metrics.update({"train/reward": reward.mean(), "train/r_ss": r_ss[good].mean() if good.any() else float("nan"),
+                        "train/r_kl": r_kl[good].mean() if good.any() else float("nan"),
+                        "train/penalized": 1 - good.float().mean(), "train/reward_std": reward.view(B, G).std(1).mean(),
+                        "train/resp_len": n_tok / (B * G), "train/expl_len": expl_tokens / max(int(good.sum()), 1),
+                        "train/truncated": 1 - sum(ro.finished) / (B * G), "train/sampler_gap": gap / n_tok,
+                        "train/lr": args.lr, "train/grad_norm": grad_norm,
+                        "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            metrics.update(held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))
+            save_checkpoint(model, tok, args.output_dir)
+        log.log(step, metrics)
+    log.close()
+    if args.export:
+        ex = solved(tasks, args.export_problems)
+        export_traces(sampler, model, student, tok, [t for t, _ in ex], [s for _, s in ex], args, device)
+    print(f"saved {args.output_dir}" if args.max_steps else "no training steps (--max_steps 0)")
+    return model
+
+
+if __name__ == "__main__":
+    cli(main)

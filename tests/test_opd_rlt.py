@@ -1,0 +1,259 @@
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common as C
+import opd
+import rlt
+import sampler as S
+import sft
+from verifier import score
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEN = "gen:nums=3,range=1-9,test=20,val=8"
+FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
+        "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
+        "--max_response_len", "12", "--max_steps", "2", "--lr", "1e-3"]
+
+
+def tiny_model(seed):
+    torch.manual_seed(seed)
+    tok = C.build_tiny_tokenizer()
+    return C.build_tiny_model(tok).eval(), tok
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two tiny checkpoints with one tokenizer (student and teacher) and one with another tokenizer."""
+    out = {}
+    for name, seed in (("student", 0), ("teacher", 1)):
+        model, tok = tiny_model(seed)
+        out[name] = str(tmp_path_factory.mktemp(name))
+        C.save_checkpoint(model, tok, out[name])
+    other = C.build_tiny_tokenizer(vocab_size=300)
+    out["other"] = str(tmp_path_factory.mktemp("other"))
+    C.save_checkpoint(C.build_tiny_model(other), other, out["other"])
+    return out
+
+
+# ---- opd.py ----------------------------------------------------------------------------------------
+def test_opd_loss_by_hand():
+    args = SimpleNamespace(kl_coef=0.5, rl_coef=0.5, entropy_coef=0.1, is_clip=10.0)
+    logp = torch.tensor([[-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    kl = torch.tensor([[0.2, 0.4, 9.0]])                                         # the masked 9 must not count
+    entropy = torch.tensor([[1.0, 3.0, 7.0]])
+    loss, parts = opd.opd_loss(logp, logp.clone(), kl, entropy, mask, torch.tensor([0.5]), args)
+    # 0.5 · mean_t KL + 0.5 · (−w·A·Σ log π) − 0.1 · mean_t H,  w = 1
+    assert abs(loss.item() - (0.5 * 0.3 + 0.5 * (-0.5 * -3.0) - 0.1 * 2.0)) < 1e-6
+    assert parts["is_weight"].item() == 1.0 and abs(parts["pg"].item() - 1.5) < 1e-6
+    old = logp - torch.tensor([[5.0, 0.0, 0.0]])                                 # π/μ = e^5 > 10: clipped
+    _, parts = opd.opd_loss(logp, old, kl, entropy, mask, torch.tensor([0.5]), args)
+    assert parts["is_weight"].item() == 10.0
+    args.rl_coef = 0.0                                                           # pure distillation
+    loss, _ = opd.opd_loss(logp, logp.clone(), kl, entropy, mask, torch.tensor([0.5]), args)
+    assert abs(loss.item() - (0.15 - 0.2)) < 1e-6
+
+
+def test_opd_kl_step_moves_student_toward_teacher():
+    """One SGD step on the distillation term alone lowers KL(teacher ‖ student) on the same tokens."""
+    student, _ = tiny_model(0)
+    teacher, _ = tiny_model(1)
+    student.train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (2, 12), generator=g)
+    attn, mask = torch.ones(2, 12, dtype=torch.long), torch.ones(2, 12, dtype=torch.long)
+    args = SimpleNamespace(kl_coef=1.0, rl_coef=0.0, entropy_coef=0.0, is_clip=10.0)
+    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    kls = []
+    for _ in range(2):
+        st = C.token_stats(student, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=1.3)
+        m = mask[:, 1:].float()
+        loss, _ = opd.opd_loss(st["logp"], st["logp"].detach(), st["kl"], st["entropy"], m, torch.zeros(2), args)
+        kls.append(loss.mean().item())
+        loss.mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert kls[1] < kls[0], kls
+
+
+# ---- token_stats with a teacher in another context (RLT's r_KL) -----------------------------------
+def test_teacher_inputs_left_padded_match_unpadded_runs():
+    student, _ = tiny_model(0)
+    teacher, _ = tiny_model(1)
+    p_s, p_t, resp = [5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24]
+    T = len(p_t) + len(resp)
+    ids_t = torch.tensor([p_t + resp])
+    ids_s = torch.tensor([[0] * (len(p_t) - len(p_s)) + p_s + resp])             # left-padded: responses line up
+    attn_t = torch.ones(1, T, dtype=torch.long)
+    attn_s = (torch.arange(T) >= len(p_t) - len(p_s)).long()[None]
+    mask = (torch.arange(T) >= len(p_t)).long()[None]
+    st = C.token_stats(student, ids_s, attn_s, mask, teacher=teacher, teacher_inputs=(ids_t, attn_t))
+    with torch.no_grad():  # each model on its own unpadded sequence
+        zs = student(input_ids=torch.tensor([p_s + resp])).logits[0, len(p_s) - 1:-1]
+        zt = teacher(input_ids=ids_t).logits[0, len(p_t) - 1:-1]
+    ls, lt = zs.log_softmax(-1), zt.log_softmax(-1)
+    sel = mask[0, 1:].bool()
+    assert torch.allclose(st["logp"][0, sel], ls.gather(-1, torch.tensor(resp)[:, None])[:, 0], atol=1e-5)
+    assert torch.allclose(st["kl"][0, sel], (lt.exp() * (lt - ls)).sum(-1), atol=1e-5)
+
+
+def test_different_tokenizers_are_refused():
+    a, b = C.build_tiny_tokenizer(), C.build_tiny_tokenizer(vocab_size=300)
+    C.check_same_tokenizer(a, a, "x", "y")
+    with pytest.raises(C.CountdownError, match="different tokenizers"):
+        C.check_same_tokenizer(a, b, "out/sft", "out/teacher")
+
+
+# ---- rlt.py ----------------------------------------------------------------------------------------
+def test_rlt_reward_by_hand():
+    logp = torch.tensor([[-9.0, -1.0, -3.0, -0.5, -1.5], [-9.0, -9.0, -9.0, -2.0, -2.0]])
+    kl = torch.tensor([[0.0, 0.2, 0.6, 9.0, 9.0], [0.0, 0.0, 0.0, 9.0, 9.0]])
+    expl = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]).float()             # row 2: empty explanation
+    sol = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]).float()
+    r, r_ss, r_kl = rlt.rlt_reward(logp, kl, sol, expl, alpha=0.01, lam=3.0)
+    assert torch.allclose(r_ss, torch.tensor([-1.0 + 0.01 * -1.5, -2.0 + 0.01 * -2.0]))   # mean + α·min
+    assert torch.allclose(r_kl, torch.tensor([0.4 + 0.01 * 0.6, 0.0]))                      # mean + α·max
+    assert torch.allclose(r, r_ss - 3.0 * r_kl)
+
+
+def test_explanation_needs_the_tag_and_a_finished_completion():
+    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n</think>\n<answer>3 + 4</answer>", True) == " 3 + 4 = 7. Found 7.\n"
+    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n", True) is None           # no </think>
+    assert rlt.explanation_of(" 3 + 4 = 7.</think>", False) is None              # cut at max tokens
+
+
+def test_score_explanations_matches_per_row_naive_and_penalizes():
+    teacher, tok = tiny_model(1)
+    student, _ = tiny_model(0)
+    args = SimpleNamespace(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)
+    tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}, {"nums": [1, 2, 3], "target": 6}]
+    sols = ["(3 + 4) * 5", "2 * 9 + 7", "1 + 2 + 3"]
+    expl = [" 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n", None, ""]
+    r, r_ss, r_kl = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, args, "cpu")
+    assert r[1] == -1.0
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for i in (0, 2):
+        ps, pt = enc(rlt.student_prompt(tasks[i], "compact")), enc(rlt.teacher_prompt(tasks[i], sols[i], "compact"))
+        e, tail, s = enc(expl[i]), enc("</think>\n<answer>"), enc(sols[i] + "</answer>")
+        with torch.no_grad():
+            ls = student(input_ids=torch.tensor([ps + e + tail + s])).logits[0].log_softmax(-1)
+            lt = teacher(input_ids=torch.tensor([pt + e + tail + s])).logits[0].log_softmax(-1)
+        sol_lp = ls[len(ps) + len(e) + len(tail) - 1:-1].gather(-1, torch.tensor(s)[:, None])[:, 0]
+        want_ss = sol_lp.mean() + 0.01 * sol_lp.min()
+        kl = (lt[len(pt) - 1:len(pt) + len(e) - 1].exp() * (lt[len(pt) - 1:len(pt) + len(e) - 1]
+                                                            - ls[len(ps) - 1:len(ps) + len(e) - 1])).sum(-1)
+        want_kl = kl.mean() + 0.01 * kl.max() if len(e) else torch.tensor(0.0)
+        assert abs(r_ss[i] - want_ss) < 1e-4 and abs(r_kl[i] - want_kl) < 1e-4, i
+        assert abs(r[i] - (want_ss - 3 * want_kl)) < 1e-3
+
+
+def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
+    task, sol = {"nums": [3, 4, 5], "target": 35}, "(3 + 4) * 5"
+    tp = rlt.teacher_prompt(task, sol, "compact")
+    assert tp.endswith(f"<answer>{sol}</answer>\n<think>") and "[3, 4, 5]" in tp and "35" in tp
+    teacher_out = " 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>(3 + 4) * 5</answer>"
+    completion = rlt.student_completion(rlt.explanation_of(teacher_out, True), sol)
+    assert completion == teacher_out and score(completion, task["nums"], task["target"]) == 1.0
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps({"query": rlt.student_prompt(task, "compact"), "completion": completion}) + "\n")
+    prompts, responses = sft.sft_data(SimpleNamespace(data=str(path), eval_problems=0), "train", None)
+    assert prompts == [C.make_prompt([3, 4, 5], 35, "compact")] and responses(None) == [completion]
+
+
+def test_opd_two_steps_in_a_subprocess(ckpts, tmp_path):
+    r = subprocess.run([sys.executable, "opd.py", "--init", ckpts["student"], "--teacher", ckpts["teacher"], *FAST,
+                        "--kd_temperature", "1.3", "--entropy_coef", "1e-2", "--output_dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/pass@1" in rows[-1]
+    keys = {"train/loss", "train/kl", "train/pg", "train/entropy", "train/reward", "train/is_weight",
+            "train/is_weight_max", "train/sampler_gap", "time/sample", "time/update"}
+    assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())
+    assert rows[-1]["train/kl"] > 0 and rows[-1]["train/sampler_gap"] < 1e-3
+    assert os.path.isfile(tmp_path / "config.json")
+
+
+def test_rlt_two_steps_export_then_sft_on_the_traces(ckpts, tmp_path):
+    traces = tmp_path / "traces.jsonl"
+    r = subprocess.run([sys.executable, "rlt.py", "--init", ckpts["student"], "--student", ckpts["teacher"], *FAST,
+                        "--export", str(traces), "--export_problems", "5", "--export_best_of", "2",
+                        "--max_response_len", "40", "--output_dir", str(tmp_path / "rlt")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in open(tmp_path / "rlt" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/r_ss" in rows[-1]
+    assert {"train/reward", "train/r_ss", "train/r_kl", "train/penalized", "train/expl_len"} <= set(rows[-1])
+    # An untrained teacher rarely closes </think> in 40 tokens, so most rows are penalized: −1 exactly.
+    assert rows[-1]["train/reward"] <= 0 and 0 <= rows[-1]["train/penalized"] <= 1
+    assert traces.exists()  # (an untrained teacher's lines: test_export_keeps_the_best_explanation checks content)
+    traces.write_text(json.dumps({"query": C.make_prompt([1, 2, 3], 6, "compact"),
+                                  "completion": rlt.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
+    r = subprocess.run([sys.executable, "sft.py", "--model", "tiny", "--data", str(traces), "--eval_data", GEN, "--template",
+                        "compact", "--eval_problems", "2", "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size",
+                        "2", "--micro_batch", "2", "--max_steps", "2", "--output_dir", str(tmp_path / "student")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+class ScriptedSampler:
+    """Stands in for the teacher's sampler: returns fixed completions, so the exporter's choices are known."""
+
+    def __init__(self, tok, texts, finished):
+        self.tok, self.texts, self.finished = tok, texts, finished
+
+    sync = lambda self, model: None  # noqa: E731
+    sleep = wake = lambda self: None  # noqa: E731
+
+    def generate(self, prompts, n, *a, **k):
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in self.texts]
+        return S.Rollouts([[0]] * len(prompts), ids, [[0.0] * len(x) for x in ids], self.texts, self.finished)
+
+
+def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
+    teacher, tok = tiny_model(1)
+    student, _ = tiny_model(0)
+    tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}]
+    sols = ["(3 + 4) * 5", "2 * 9 + 7"]
+    texts = [" 3 + 4 = 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>x</answer>", " no.\n</think>",  # task 1: two tries
+             " 2 * 9 = 18.</think>", " 2 * 9 = 18, left 7 18."]                                     # task 2: cut, untagged
+    args = SimpleNamespace(template="compact", micro_batch=4, alpha=0.01, lam=3.0, penalty=-1.0, temperature=1.0,
+                           max_prompt_len=512, seed=0, max_response_len=40, export_best_of=2, export=str(tmp_path / "x.jsonl"))
+    sampler = ScriptedSampler(tok, texts, [True, True, False, True])
+    rlt.export_traces(sampler, teacher, student, tok, tasks, sols, args, "cpu")
+    lines = [json.loads(x) for x in open(args.export)]
+    assert len(lines) == 1 and lines[0]["nums"] == [3, 4, 5]                     # task 2: both penalized, left out
+    expl = [rlt.explanation_of(t, True) for t in texts[:2]]
+    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, args, "cpu")
+    best = expl[int(r_ss.argmax())]
+    assert lines[0]["completion"] == rlt.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
+    assert lines[0]["query"] == C.make_prompt([3, 4, 5], 35, "compact")
+    assert score(lines[0]["completion"], [3, 4, 5], 35) == 1.0
+
+
+def test_rlt_export_only_with_zero_steps(ckpts, tmp_path):
+    traces = tmp_path / "t.jsonl"
+    r = subprocess.run([sys.executable, "rlt.py", "--init", ckpts["student"], "--student", ckpts["student"], *FAST,
+                        "--max_steps", "0", "--export", str(traces), "--export_problems", "3", "--output_dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "of 3 problems" in r.stdout and traces.exists() and not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("script,flags,message", [
+    ("opd.py", ["--teacher", "OTHER"], "different tokenizers"),
+    ("rlt.py", ["--student", "OTHER"], "different tokenizers"),
+    ("opd.py", ["--teacher", "STUDENT", "--kd_temperature", "0"], "--kd_temperature must be positive"),
+    ("opd.py", ["--teacher", "/nonexistent/teacher"], "no such checkpoint dir"),
+])
+def test_bad_input_is_a_one_line_error(script, flags, message, ckpts, tmp_path):
+    flags = [ckpts["other"] if f == "OTHER" else ckpts["student"] if f == "STUDENT" else f for f in flags]
+    r = subprocess.run([sys.executable, script, "--init", ckpts["student"], *FAST, *flags, "--output_dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
