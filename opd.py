@@ -14,7 +14,7 @@ Departures from the paper:
 
 Real (1×H100, the paper's recipe = the defaults):  python opd.py --init out/sft --teacher out/teacher --backend vllm
   anti-collapse: python opd.py --init out/opd --entropy_coef 1e-2 --kd_temperature 1.3 --max_steps 150 --output_dir out/opd_ac
-CPU (embedded; what run_cpu.sh runs):
+CPU (embedded; measured in the README):
   python opd.py --init out/cpu/sft --teacher out/cpu/teacher --data gen:nums=3,range=1-20,test=200,val=100 \
       --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --eval_max_new_tokens 160 \
       --lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir out/cpu/opd

@@ -10,15 +10,16 @@ step from the student's side, without the solution in view (r_KL)? A dense rewar
 Departures from the paper:
   1. Prompt formats (004 Fig. 6-7) are the Countdown ones: the teacher's assistant turn opens with
      `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e, `</think>\\n<answer>s</answer>`.
-  2. The solution tokens s are the expression and `</answer>`; the explanation is retokenized from text.
+  2. r_SS scores the expression and `</answer>`; the explanation is retokenized from its text.
   3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass, k3 KL to a synced reference.
   4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8 (README, "RLT").
 
 Real (1×H100):  python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
-CPU (embedded; what run_cpu.sh runs):
+CPU (embedded; measured in the README):
   python rlt.py --init out/cpu/sft --student out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 \
       --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --lr 1e-4 --batch_size 16 \
-      --group_size 8 --micro_batch 128 --max_response_len 160 --max_steps 30 --eval_every 10 --export out/cpu/rlt/traces.jsonl
+      --group_size 8 --micro_batch 128 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
+      --export out/cpu/rlt/traces.jsonl
 """
 import copy
 import json
