@@ -10,6 +10,7 @@ OUT/summary.json and OUT/samples.jsonl (DESIGN.md contract).
       --num_problems 200 --max_new_tokens 160 --out out/cpu/eval/sft          # embedded, CPU
   python evaluate.py --recompute out/eval/sft        # re-score stored samples with today's verifier
   python evaluate.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png
+  python evaluate.py --report out/cpu     # results.json, Tables 1-2 and the PNGs of a run_cpu.sh run
 """
 import json
 import os
@@ -43,6 +44,8 @@ class Args:
     out: str = arg("", "output dir (or PNG path with --plot)")
     recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite DIR/summary.json")
     plot: str = arg("", "comma-separated eval dirs: draw their pass@k-vs-k curves to --out")
+    report: str = arg("", "a pipeline dir (run_cpu.sh): gather DIR/eval/*/summary.json into results.json, print "
+                          "paper 000's Tables 1-2, draw pass_at_k.png and rl_curves.png")
 
 
 def pass_at_k(n, c, k):
@@ -153,8 +156,70 @@ def plot(run_dirs, out_png):
     fig.savefig(out_png, dpi=120)
 
 
+STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "rlt_student", "rlt0_student",
+          "solver_student"]  # the pipeline's order; any other eval dir is appended
+
+
+def report(out):
+    """OUT/results.json = {stage: summary.json + wall_seconds}; Table 1 (pass@k, by problem size) and
+    Table 2 (best-of-N with the verifier: accuracy and expected samples drawn, Eq. 5) of paper 000."""
+    found = [n for n in sorted(os.listdir(os.path.join(out, "eval"))) if os.path.isfile(
+        os.path.join(out, "eval", n, "summary.json"))] if os.path.isdir(os.path.join(out, "eval")) else []
+    names = [n for n in STAGES if n in found] + [n for n in found if n not in STAGES]
+    if not names:
+        raise CountdownError(f"{out}/eval has no */summary.json: run ./run_cpu.sh {out} first")
+    results = {}
+    for n in names:
+        results[n] = json.load(open(os.path.join(out, "eval", n, "summary.json")))
+        wall = os.path.join(out, n, "wall_seconds")
+        results[n]["wall_seconds"] = int(open(wall).read()) if os.path.isfile(wall) else None
+    json.dump(results, open(os.path.join(out, "results.json"), "w"), indent=1)
+    first = results[names[0]]
+    ks, sizes = list(first["pass_at_k"]), list(first["by_size"]) if len(first["by_size"]) > 1 else []
+    head = f"{'stage':<18}{'pass@1':>15}" + "".join(f"{'pass@' + k:>9}" for k in ks[1:]) + "".join(
+        f"{s + ' nums@1':>11}" for s in sizes) + f"{'format':>8}{'wall s':>8}"
+    print(f"Table 1 ({first['num_problems']} held-out problems x {first['num_samples']} samples)\n{head}")
+    for n, r in results.items():
+        pk = r["pass_at_k"]
+        print(f"{n:<18}{pk['1']:>8.3f} ±{1.96 * r['pass_at_1_stderr']:.3f}" + "".join(f"{pk[k]:>9.3f}" for k in ks[1:])
+              + "".join(f"{r['by_size'][s]['pass_at_k']['1']:>11.3f}" for s in sizes)
+              + f"{r['format_rate']:>8.3f}{r['wall_seconds'] if r['wall_seconds'] is not None else '-':>8}")
+    print(f"\nTable 2 (verifier-guided best-of-{first['num_samples']}, early stop at the first verified sample)\n"
+          f"{'stage':<18}{'accuracy':>10}{'avg samples':>13}")
+    for n, r in results.items():
+        print(f"{n:<18}{r['best_of_n']['accuracy']:>10.3f}{r['best_of_n']['avg_samples']:>13.2f}")
+    plot([os.path.join(out, "eval", n) for n in names], os.path.join(out, "pass_at_k.png"))
+    plot_training(out)
+    print(f"\nwrote {out}/results.json, {out}/pass_at_k.png, {out}/rl_curves.png")
+
+
+def plot_training(out):
+    """Per-step training reward and accuracy of the RL stages, and RLT's r_SS, training and held-out (004 Fig. 3)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    curves = [(n, k, k) for k in ("train/reward", "train/accuracy") for n in ("rloo", "grpo", "opd", "opd_anticollapse")]
+    curves += [("rlt", "train/r_ss", "train"), ("rlt", "eval/r_ss", "held-out")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key, title in zip(axes, ["train/reward", "train/accuracy", "r_ss"],
+                              ["training reward", "training accuracy", "RLT: r_SS of explanations (Eq. 3)"]):
+        for n, k, label in curves:
+            if key in k and os.path.isfile(os.path.join(out, n, "metrics.jsonl")):
+                rows = [r for r in read_jsonl(os.path.join(out, n, "metrics.jsonl"), ["step"]) if k in r]
+                ax.plot([r["step"] for r in rows], [r[k] for r in rows], label=n if n != "rlt" else label,
+                        marker="o" if k.startswith("eval") else None)
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "rl_curves.png"), dpi=110)
+
+
 def main():
     args = parse_args(Args)
+    if args.report:
+        return report(args.report)
     if args.plot:
         plot(args.plot.split(","), args.out or "pass_at_k.png")
         print(f"wrote {args.out or 'pass_at_k.png'}")

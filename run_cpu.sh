@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The embedded pipeline on a CPU, stage by stage. Every command is printed before it runs, so you can
-# copy it (and swap the flags for the papers' defaults) to run the same stage on a GPU.
-#   ./run_cpu.sh [OUT_DIR]          default out/cpu; a stage whose checkpoint exists is skipped
-#   FORCE=1 ./run_cpu.sh            run every stage again
+# The embedded pipeline on a CPU, stage by stage (papers 000 and 004 in miniature). Every command is
+# printed before it runs, so you can copy it (and swap the flags for the papers' defaults) to a GPU.
+#   ./run_cpu.sh [--force] [OUT_DIR]   default out/cpu; a finished stage (OUT_DIR/NAME/wall_seconds) is
+#                                      skipped, so a killed run picks up where it stopped; --force reruns all
+# At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
 set -euo pipefail
 cd "$(dirname "$0")"
+FORCE=${FORCE:-}
+if [[ ${1:-} == --force ]]; then FORCE=1; shift; fi
 OUT=${1:-out/cpu}
 mkdir -p "$OUT"
 
@@ -13,43 +16,66 @@ mkdir -p "$OUT"
 # (~12k). 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
 DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_max_new_tokens 160)
+RL=(--lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10)
 
-stage() {  # stage NAME COMMAND...: run unless $OUT/NAME holds a finished checkpoint; record wall time
+stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
   local name=$1; shift
-  if [[ -f "$OUT/$name/config.json" && -z "${FORCE:-}" ]]; then
-    echo "== $name: $OUT/$name exists, skipping (FORCE=1 to rerun)"; return
+  if [[ -f "$OUT/$name/wall_seconds" && -z "$FORCE" ]]; then
+    echo "== $name: finished in $OUT/$name, skipping (--force to rerun)"
+  else
+    echo "+ $*"
+    local start=$SECONDS
+    "$@"
+    echo $((SECONDS - start)) > "$OUT/$name/wall_seconds"
   fi
-  echo "+ $*"
-  local start=$SECONDS
-  "$@"
-  echo $((SECONDS - start)) > "$OUT/$name/wall_seconds"
-}
-
-evaluate() {  # evaluate NAME: pass@k on the held-out test split, written to $OUT/eval/NAME
-  local name=$1
+  case $name in rlt|rlt0) return;; esac  # a teacher explains given solutions: its students are what we evaluate
   echo "+ python evaluate.py --model $OUT/$name --data $DATA --template compact --num_problems 200 --max_new_tokens 160 --out $OUT/eval/$name"
   python evaluate.py --model "$OUT/$name" --data "$DATA" --template compact --num_problems 200 \
     --max_new_tokens 160 --out "$OUT/eval/$name"
 }
 
-# 1. SFT from scratch on solver-written traces (000 §3.2 Eq. 1)
+# 1. SFT from scratch on solver-written traces with at most one dead end (000 §3.2 Eq. 1)
 stage sft python sft.py --model tiny "${COMMON[@]}" --dead_ends 1 --lr 2e-3 --batch_size 64 --micro_batch 64 \
   --max_steps 1200 --eval_every 400 --output_dir "$OUT/sft"
-evaluate sft
 
-# 2. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2)
+# 2. A stronger teacher for OPD: the SFT model trained longer, on traces with up to 3 dead ends (more search)
+stage teacher python sft.py --model "$OUT/sft" "${COMMON[@]}" --dead_ends 3 --lr 1e-3 --warmup 0 --batch_size 64 \
+  --micro_batch 64 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
+
+# 3. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2)
 stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --num_prompts 1024 --max_new_tokens 160 \
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"
-evaluate ipo
 
-# 3. RLOO from the SFT checkpoint (000 Eq. 3): 64 prompts x 8 rollouts per step, the paper's knobs
-stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 64 --micro_batch 128 \
-  --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir "$OUT/rloo"
-evaluate rloo
+# 4. RLOO from the SFT checkpoint (000 Eq. 3): 64 prompts x 8 rollouts per step, the paper's knobs
+stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --output_dir "$OUT/rloo"
 
-# 4. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model
-stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 64 --group_size 8 --micro_batch 128 \
-  --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir "$OUT/grpo"
-evaluate grpo
+# 5. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model
+stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --output_dir "$OUT/grpo"
 
-python evaluate.py --plot "$OUT/eval/sft,$OUT/eval/ipo,$OUT/eval/rloo,$OUT/eval/grpo" --out "$OUT/pass_at_k.png"
+# 6. On-policy distillation from the teacher, hybrid with RLOO (000 Eq. 4, Algorithm 1): same geometry and steps
+stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" --output_dir "$OUT/opd"
+
+# 7. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3)
+stage opd_anticollapse python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" \
+  --entropy_coef 1e-2 --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"
+
+# 8. RLT (004): the SFT model learns to explain given solutions to the frozen SFT student; then it writes
+#    traces for 2,000 training problems, and so does the untrained teacher (the same model, 0 steps)
+stage rlt python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
+  --group_size 8 --micro_batch 128 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
+  --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
+stage rlt0 python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 128 \
+  --max_response_len 160 --max_steps 0 --penalty -10 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
+
+# 9. Three tiny students SFT'd from scratch with the same steps on the same number of problems: the trained
+#    teacher's traces, the untrained one's, the solver's (of the 2,000 exported, RLT skips
+#    the few it cannot explain without truncation and sft.py holds out the last 100 rows of a file)
+STUDENT=(--model tiny "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 64 --max_steps 400 \
+  --eval_every 400)
+stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
+stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"
+stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 --output_dir "$OUT/solver_student"
+
+# 10. Paper 000's Tables 1 and 2 for every stage, results.json and the plots
+echo "+ python evaluate.py --report $OUT"
+python evaluate.py --report "$OUT"

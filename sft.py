@@ -57,7 +57,8 @@ class Args:
     epochs: float = arg(6.0, "passes over the data (000 Table 4)")
     max_steps: int = arg(0, "stop after this many optimizer steps instead (0: use epochs)")
     warmup: float = arg(0.05, "warmup fraction of the cosine schedule")
-    num_train: int = arg(20_000, "gen data: problems to write traces for (fewer if the space runs dry)")
+    num_train: int = arg(0, "training problems: gen writes traces for this many (0: 20,000); a dataset keeps its "
+                            "first rows (0: all)")
     dead_ends: int = arg(0, "gen data: at most this many abandoned tries before the solution in a trace")
     fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new one each epoch")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
@@ -74,7 +75,7 @@ def sft_data(args, split, n):
     """Prompts and a function rng -> responses: solver traces of generated problems (new ones each call:
     another solution path, other dead ends), or a dataset's fixed query/completion pairs."""
     if args.data.startswith("gen"):
-        tasks = load_tasks(args.data, split, n)
+        tasks = load_tasks(args.data, split, n or 20_000)
         write = lambda rng: [make_trace(t["nums"], t["target"], rng, args.dead_ends) for t in tasks]  # noqa: E731
         fixed = write(random.Random(args.seed)) if args.fixed_traces else None
         return [make_prompt(t["nums"], t["target"], args.template) for t in tasks], lambda rng: fixed or write(rng)
@@ -84,7 +85,7 @@ def sft_data(args, split, n):
         rows = rows[:len(rows) - k] if split == "train" else rows[len(rows) - k:]
     else:
         rows = load_records(args.data, "train" if split == "train" else "test", ["query", "completion"])
-    rows = rows if split == "train" else rows[:n]  # all training rows; n caps the held-out set only
+    rows = rows[:n or None]
     return [r["query"] for r in rows], lambda rng: [r["completion"] for r in rows]
 
 

@@ -79,3 +79,36 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
+    """evaluate.py --report: results.json holds every stage's summary plus wall seconds, the tables list the
+    stages in the pipeline's order (others after), and both PNGs are drawn from the RL stages' metrics."""
+    def summary(p1):
+        return {"num_problems": 2, "num_samples": 2, "pass_at_k": {"1": p1, "2": min(1.0, 2 * p1)}, "pass_at_1_stderr": 0.1,
+                "by_size": {"3": {"num_problems": 1, "pass_at_k": {"1": p1, "2": p1}},
+                            "4": {"num_problems": 1, "pass_at_k": {"1": 0.0, "2": 0.0}}},
+                "format_rate": 1.0, "best_of_n": {"accuracy": p1, "avg_samples": 1.5}}
+    for i, name in enumerate(["zzz_extra", "rloo", "sft", "rlt_student"]):
+        (tmp_path / "eval" / name).mkdir(parents=True)
+        (tmp_path / "eval" / name / "summary.json").write_text(json.dumps(summary(0.1 * (i + 1))))
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "wall_seconds").write_text("12\n")
+    for name, keys in (("rloo", ["train/reward", "train/accuracy"]), ("rlt", ["train/r_ss", "eval/r_ss"])):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{k: s / 10 for k in keys}}) + "\n"
+                                                               for s in range(3)))
+    r = subprocess.run([sys.executable, "evaluate.py", "--report", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(tmp_path / "results.json"))
+    assert list(res) == ["sft", "rloo", "rlt_student", "zzz_extra"]
+    assert res["sft"]["wall_seconds"] == 12 and res["rloo"]["wall_seconds"] is None
+    assert res["rloo"]["pass_at_k"]["1"] == pytest.approx(0.2)
+    table1 = r.stdout.split("Table 2")[0]
+    assert table1.index("sft") < table1.index("rloo") < table1.index("rlt_student") < table1.index("zzz_extra")
+    assert "3 nums@1" in table1 and "avg samples" in r.stdout
+    for png in ("pass_at_k.png", "rl_curves.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    r = subprocess.run([sys.executable, "evaluate.py", "--report", str(tmp_path / "nothing")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "run ./run_cpu.sh" in r.stderr and "Traceback" not in r.stderr

@@ -116,6 +116,9 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
                       "--eval_max_new_tokens", "4", "--output_dir", str(tmp_path / "out")])
     assert model is not None and os.path.isfile(tmp_path / "out" / "model.safetensors")
     assert "18 training examples" in capsys.readouterr().out  # a file's last rows (here 2) are held out
+    args = sft.parse_args(sft.Args, ["--data", str(data), "--eval_problems", "2", "--num_train", "5"])
+    prompts, write = sft.sft_data(args, "train", args.num_train)   # --num_train keeps a file's first rows
+    assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
 
 def test_generated_traces_are_new_each_epoch_unless_fixed():
