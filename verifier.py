@@ -10,8 +10,8 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-_TOKEN = re.compile(r"\d+|\S")  # a literal, or any single non-space character
-_ALLOWED = re.compile(r"[\d\s+\-*/()]*")
+_TOKEN = re.compile(r"\d+|\S", re.ASCII)  # a literal, or any single non-space character
+_ALLOWED = re.compile(r"[\d\s+\-*/()]*", re.ASCII)  # ASCII: '３' or '٣' are not the number 3
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "neg": 3}
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}  # Fraction / 0 raises
 
