@@ -11,7 +11,6 @@ import random
 import re
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import field
 
@@ -243,18 +242,6 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     return model, tokenizer
 
 
-def save_checkpoint(model, tokenizer, output_dir):
-    """Write an HF checkpoint into output_dir without ever leaving a half-written file: save to a temp
-    dir inside it, then os.replace each file (config.json last: it is what marks a checkpoint)."""
-    os.makedirs(output_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=output_dir)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
-        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
-    os.rmdir(tmp)
-
-
 def check_same_tokenizer(tok, other, name, other_name):
     """Token-level KL between two models needs one vocabulary (Qwen 0.5B and 7B share theirs; only the
     embedding padding differs, which token_stats cuts off)."""
@@ -347,14 +334,19 @@ CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "ac
 class Logger:
     """metrics.jsonl always, one console line per step under a tqdm bar, wandb only if asked."""
 
-    def __init__(self, output_dir, total_steps, args=None, wandb_project=""):
+    def __init__(self, output_dir, total_steps, args=None, wandb_project="", start_step=0):
         from tqdm import tqdm
         os.makedirs(output_dir, exist_ok=True)
         if args is not None:
             with open(os.path.join(output_dir, "args.json"), "w") as f:
                 json.dump(dataclasses.asdict(args), f, indent=1)
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a")
-        self.total, self.bar, self.t0 = total_steps, tqdm(total=total_steps, leave=False, dynamic_ncols=True), time.time()
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if start_step and os.path.isfile(path):  # resumed: drop what was logged after the restored state
+            keep = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= start_step]
+            open(path, "w").writelines(keep)
+        self.file = open(path, "a")
+        self.total, self.t0 = total_steps, time.time()
+        self.bar = tqdm(total=total_steps, initial=start_step, leave=False, dynamic_ncols=True)
         self.wandb = None
         if wandb_project:
             import wandb

@@ -151,13 +151,12 @@ def plot(run_dirs, out_png):
     ax.set(xscale="log", xlabel="k (samples)", ylabel="pass@k", ylim=(0, 1), title="pass@k on held-out problems")
     ax.set_xticks([int(k) for k in pk], labels=list(pk))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
 
 
-STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "rlt_student", "rlt0_student",
-          "solver_student"]  # the pipeline's order; any other eval dir is appended
+STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "rlt_student", "rlt0_student", "solver_student"]
 
 
 def report(out):

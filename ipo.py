@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
+from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger, arg, autocast, cli, load_model, load_records, load_tasks, \
-    make_prompt, parse_args, save_checkpoint, seed_everything, token_stats, tokenize_pairs
+    make_prompt, parse_args, seed_everything, token_stats, tokenize_pairs
 from evaluate import eval_metrics
 from sampler import HFSampler
 from verifier import dense_score, extract_answer, flip_operator, make_trace, score
@@ -55,6 +56,10 @@ class Args:
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    save_every: int = arg(100, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
+    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes --output_dir)")
+    overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
+    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
     # IPO specific
     beta: float = arg(0.05, "IPO β: the target margin is 1/(2β) nats (000: 0.05; 001: 0.1)")
     length_norm: bool = arg(False, "average log-probs over response tokens (001) instead of summing")
@@ -123,9 +128,10 @@ def build_pairs(args, model, tok):
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    seed_everything(args.seed)
     if args.batch_size % args.micro_batch:
         raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch {args.micro_batch}")
+    prepare_run(args)  # refuse to write over a run, or point --resume at one
+    seed_everything(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(args.init, device, torch.float32)
     ref = copy.deepcopy(model).eval().requires_grad_(False)  # π_ref: the frozen init
@@ -143,7 +149,11 @@ def main(argv=None):
     total = max(1, math.ceil(args.epochs * len(pairs) / batch))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
-    log = Logger(args.output_dir, total, args, args.wandb_project)
+    start, order, skipped = 0, [], 0
+    if args.resume:  # the pairs were rebuilt above from the init, as the first time; now the trained state
+        start, extra = load_state(args.output_dir, model, opt, sched)
+        order, skipped = extra["order"], extra["skipped"]
+    log = Logger(args.output_dir, total, args, args.wandb_project, start)
 
     def seq_logps(net, chunk):
         """Policy or reference log-probs of chosen and rejected for a list of pairs: (b,) each, plus the
@@ -171,9 +181,9 @@ def main(argv=None):
     def evaluation():
         return {**eval_metrics(model, tok, eval_tasks, args), **(heldout_metrics() if held else {})}
 
-    log.log(0, evaluation())  # the start: pass@k of the init and its held-out preference accuracy
-    order = []
-    for step in range(1, total + 1):
+    if not start:
+        log.log(0, evaluation())  # the start: pass@k of the init and its held-out preference accuracy
+    for step in range(start + 1, total + 1):
         t0 = time.time()
         # ---- batch of pairs (reshuffled every epoch) ----
         if len(order) < batch:
@@ -191,19 +201,23 @@ def main(argv=None):
             ((loss + args.rpo_alpha * nll).sum() / batch).backward()
             for k, v in {**pair_report(loss, h, w, l, rw, rl), "rpo_nll": nll}.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().sum().item()
-        if not math.isfinite(sums["loss"]):
-            raise CountdownError(f"loss is {sums['loss']} at step {step}; the last good checkpoint is in {args.output_dir}")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
+        if step_is_finite(step, sums["loss"], grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
+            opt.step()
+        else:
+            skipped += 1
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
         metrics = {f"train/{k}": v / batch for k, v in sums.items()}
-        metrics.update({"train/lr": sched.get_last_lr()[0], "train/grad_norm": grad_norm, "time/step": time.time() - t0})
+        metrics.update({"train/lr": sched.get_last_lr()[0], "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
+                        "time/step": time.time() - t0})
         if step == total or (args.eval_every and step % args.eval_every == 0):
             metrics.update(evaluation())
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
+        if step == total or step % args.save_every == 0:
+            save_state(args.output_dir, step, model, opt, sched, order=order, skipped=skipped)
     log.close()
     print(f"saved {args.output_dir}")
     return model, ref

@@ -19,15 +19,15 @@ CPU (embedded; measured in the README):
       --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --eval_max_new_tokens 160 \
       --lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir out/cpu/opd
 """
-import math
 import random
 import time
 from dataclasses import dataclass
 
 import torch
 
+from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger, arg, autocast, check_same_tokenizer, cli, load_model, load_tasks, \
-    parse_args, save_checkpoint, seed_everything, token_stats
+    parse_args, seed_everything, token_stats
 from evaluate import eval_metrics
 from sampler import make_sampler, rollout_batch, rollouts, score_rollouts
 
@@ -54,6 +54,10 @@ class Args:
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
+    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes --output_dir)")
+    overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
+    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
     # on-policy RL, shared by rloo/grpo/opd/rlt
     max_steps: int = arg(100, "optimizer steps, one rollout batch each (000 Table 5: 100; anti-collapse 150)")
     group_size: int = arg(8, "G rollouts per prompt")
@@ -100,6 +104,7 @@ def main(argv=None):
         raise CountdownError("--group_size must be at least 2: the baseline is the other rollouts of the prompt")
     if args.kd_temperature <= 0:
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
+    prepare_run(args)  # refuse to write over a run, or point --resume at one
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(args.init, device, torch.float32)  # fp32 master weights; bf16 compute via autocast
     # The teacher never trains: bf16 weights on a GPU halve its memory (000: a 7B teacher beside a 0.5B student).
@@ -111,10 +116,16 @@ def main(argv=None):
     tasks, eval_tasks = load_tasks(args.data, "train"), load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (000)
-    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project)
     B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
-    log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
-    for step in range(1, args.max_steps + 1):
+    start, skipped = 0, 0
+    if args.resume:  # weights, optimizer, RNGs and the data order: step start+1 as if never stopped
+        start, extra = load_state(args.output_dir, model, opt)
+        rng.setstate(extra["rng"])
+        order, skipped = extra["order"], extra["skipped"]
+    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project, start)
+    if not start:
+        log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
+    for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
         # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
         if len(order) < B:
@@ -145,10 +156,11 @@ def main(argv=None):
                 sums[k] += (st[k].detach() * m).sum().item() / n_tok
             gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
             w_max = max(w_max, parts["is_weight"].max().item())
-        if not math.isfinite(sums["loss"]):
-            raise CountdownError(f"loss is {sums['loss']} at step {step}; the last good checkpoint is in {args.output_dir}")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
+        if step_is_finite(step, sums["loss"], grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
+            opt.step()
+        else:
+            skipped += 1
         opt.zero_grad(set_to_none=True)
         # ---- log (001's flatline diagnostics), evaluate, checkpoint ----
         group_std = reward.std(1)                                                      # (B,) within-group spread
@@ -159,12 +171,14 @@ def main(argv=None):
                         "train/resp_len": n_tok / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
                         "train/is_weight_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
-                        "train/grad_norm": grad_norm,
+                        "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(eval_metrics(model, tok, eval_tasks, args))
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
+        if step == args.max_steps or step % args.save_every == 0:
+            save_state(args.output_dir, step, model, opt, rng=rng.getstate(), order=order, skipped=skipped)
     log.close()
     print(f"saved {args.output_dir}")
     return model

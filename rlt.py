@@ -23,7 +23,6 @@ CPU (embedded; measured in the README):
 """
 import copy
 import json
-import math
 import os
 import random
 import time
@@ -31,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger, arg, autocast, check_same_tokenizer, cli, load_model, load_tasks, \
-    make_prompt, parse_args, save_checkpoint, seed_everything, token_stats
+    make_prompt, parse_args, seed_everything, token_stats
 from sampler import make_sampler, rollout_batch
 from verifier import solve
 
@@ -59,6 +59,10 @@ class Args:
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
+    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes --output_dir)")
+    overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
+    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
     # on-policy RL, shared by rloo/grpo/opd/rlt (no --reward: the reward is the RLT one)
     max_steps: int = arg(125, "rollout batches, one optimizer step each (004 Table 3; 0: only --export)")
     group_size: int = arg(64, "G explanations per prompt (004: 64)")
@@ -225,6 +229,7 @@ def main(argv=None):
     seed_everything(args.seed)
     if args.group_size < 2:
         raise CountdownError("--group_size must be at least 2: the advantage compares explanations of one prompt")
+    prepare_run(args)  # refuse to write over a run, or point --resume at one
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(args.init, device, torch.float32)  # fp32 master weights; bf16 compute via autocast
     student, student_tok = load_model(args.student, device, torch.bfloat16 if device == "cuda" else torch.float32)
@@ -241,11 +246,19 @@ def main(argv=None):
         raise CountdownError(f"no solvable tasks in {args.eval_data if not eval_tasks else args.data}")
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (004)
-    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project)
     B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
+    start, skipped = 0, 0
+    if args.resume:  # weights, optimizer, RNGs and the data order: step start+1 as if never stopped
+        start, extra = load_state(args.output_dir, model, opt)
+        rng.setstate(extra["rng"])
+        order, skipped = extra["order"], extra["skipped"]
+        if ref is not None:
+            ref.load_state_dict(extra["ref"])
+    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project, start)
     ev_tasks, ev_sols = [t for t, _ in eval_tasks], [s for _, s in eval_tasks]
-    log.log(0, held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))  # where the init starts
-    for step in range(1, args.max_steps + 1):
+    if not start:
+        log.log(0, held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))  # where the init starts
+    for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
         batch = []
@@ -283,10 +296,11 @@ def main(argv=None):
             for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"])):
                 sums[k] += (v.detach() * m).sum().item() / n_tok  # token means over the batch
             gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
-        if not math.isfinite(sums["loss"]):
-            raise CountdownError(f"loss is {sums['loss']} at step {step}; the last good checkpoint is in {args.output_dir}")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
+        if step_is_finite(step, sums["loss"], grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
+            opt.step()
+        else:
+            skipped += 1
         opt.zero_grad(set_to_none=True)
         if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
             with torch.no_grad():  # 004: a slowly moving reference instead of a frozen one
@@ -299,12 +313,15 @@ def main(argv=None):
                         "train/penalized": 1 - good.float().mean(), "train/reward_std": reward.view(B, G).std(1).mean(),
                         "train/resp_len": n_tok / (B * G), "train/expl_len": expl_tokens / max(int(good.sum()), 1),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/sampler_gap": gap / n_tok,
-                        "train/lr": args.lr, "train/grad_norm": grad_norm,
+                        "train/lr": args.lr, "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
+        if step == args.max_steps or step % args.save_every == 0:
+            save_state(args.output_dir, step, model, opt, rng=rng.getstate(), order=order, skipped=skipped,
+                       ref=None if ref is None else ref.state_dict())
     log.close()
     if args.export:
         ex = solved(tasks, args.export_problems)

@@ -2,7 +2,7 @@
 # The embedded pipeline on a CPU, stage by stage (papers 000 and 004 in miniature). Every command is
 # printed before it runs, so you can copy it (and swap the flags for the papers' defaults) to a GPU.
 #   ./run_cpu.sh [--force] [OUT_DIR]   default out/cpu; a finished stage (OUT_DIR/NAME/wall_seconds) is
-#                                      skipped, so a killed run picks up where it stopped; --force reruns all
+#                                      skipped and a killed one resumed from its last state; --force reruns all
 # At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -16,16 +16,18 @@ mkdir -p "$OUT"
 # (~12k). 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
 DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_max_new_tokens 160)
-RL=(--lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10)
+RL=(--lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10 --save_every 5)
 
 stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
   local name=$1; shift
   if [[ -f "$OUT/$name/wall_seconds" && -z "$FORCE" ]]; then
     echo "== $name: finished in $OUT/$name, skipping (--force to rerun)"
   else
-    echo "+ $*"
+    local again=(--overwrite)  # a stage killed halfway goes on from its last state; else it starts afresh
+    [[ -d $OUT/$name/state && -z "$FORCE" ]] && again=(--resume "$OUT/$name")
+    echo "+ $* ${again[*]}"
     local start=$SECONDS
-    "$@"
+    "$@" "${again[@]}"
     echo $((SECONDS - start)) > "$OUT/$name/wall_seconds"
   fi
   case $name in rlt|rlt0) return;; esac  # a teacher explains given solutions: its students are what we evaluate

@@ -91,6 +91,8 @@ class HFSampler:
         active = torch.ones(b, dtype=torch.bool, device=dev)  # live rows that have not produced EOS yet
         for t in range(max_new_tokens):
             logits = out.logits[:, -1]                                                          # (live, V)
+            if t == 0 and not torch.isfinite(logits).all():  # a blown-up model: say so, not multinomial's error
+                raise CountdownError("the model's logits are not finite: its weights have blown up (too large an --lr?)")
             if temperature == 0:
                 tok = logits.argmax(-1)
             else:

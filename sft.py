@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
+from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger, arg, autocast, cli, load_model, load_records, load_tasks, make_prompt, \
-    parse_args, save_checkpoint, seed_everything, token_stats, tokenize_pairs
+    parse_args, seed_everything, token_stats, tokenize_pairs
 from evaluate import eval_metrics
 from verifier import make_trace
 
@@ -53,6 +54,10 @@ class Args:
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
+    save_every: int = arg(100, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
+    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes --output_dir)")
+    overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
+    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
     # SFT specific
     epochs: float = arg(6.0, "passes over the data (000 Table 4)")
     max_steps: int = arg(0, "stop after this many optimizer steps instead (0: use epochs)")
@@ -91,9 +96,10 @@ def sft_data(args, split, n):
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    seed_everything(args.seed)
     if args.batch_size % args.micro_batch:
         raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch {args.micro_batch}")
+    prepare_run(args)  # refuse to write over a run, or point --resume at one
+    seed_everything(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(args.model, device, torch.float32, hidden_size=args.tiny_hidden,
                             num_hidden_layers=args.tiny_layers)  # fp32 master weights; bf16 compute via autocast
@@ -108,7 +114,12 @@ def main(argv=None):
     total = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
-    log = Logger(args.output_dir, total, args, args.wandb_project)
+    start, order, responses, skipped = 0, [], [], 0
+    if args.resume:  # weights, optimizer, schedule, RNGs and the epoch's order: step start+1 as if never stopped
+        start, extra = load_state(args.output_dir, model, opt, sched)
+        rng.setstate(extra["rng"])
+        order, responses, skipped = extra["order"], extra["responses"], extra["skipped"]
+    log = Logger(args.output_dir, total, args, args.wandb_project, start)
     print(f"{len(prompts)} training examples, {steps_per_epoch} steps/epoch, {total} steps, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
 
@@ -119,8 +130,7 @@ def main(argv=None):
             L = int(attn[s:s + args.micro_batch].sum(1).max())
             yield tuple(x[s:s + args.micro_batch, :L].to(device) for x in (ids, attn, mask))
 
-    order, responses = [], []
-    for step in range(1, total + 1):
+    for step in range(start + 1, total + 1):
         t0 = time.time()
         # ---- batch: a fresh shuffle (and, for generated data, fresh traces) every epoch ----
         if len(order) < args.batch_size:
@@ -137,16 +147,18 @@ def main(argv=None):
             (nll / n_tokens).backward()
             loss_sum, correct = loss_sum + nll.item(), correct + stats["correct"].sum().item()
         loss = loss_sum / n_tokens
-        if not math.isfinite(loss):
-            raise CountdownError(f"loss is {loss} at step {step}; the last good checkpoint is in {args.output_dir}")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
+        if step_is_finite(step, loss, grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
+            opt.step()
+        else:
+            skipped += 1
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
         dt = time.time() - t0
         metrics = {"train/loss": loss, "train/token_acc": correct / n_tokens, "train/lr": sched.get_last_lr()[0],
-                   "train/grad_norm": grad_norm, "time/step": dt, "time/tokens_per_s": n_tokens / dt}
+                   "train/grad_norm": grad_norm, "train/skipped_steps": skipped, "time/step": dt,
+                   "time/tokens_per_s": n_tokens / dt}
         if step == total or (args.eval_every and step % args.eval_every == 0):
             if val_prompts:  # held-out loss on responses of problems never trained on
                 with torch.no_grad(), autocast(device):
@@ -156,6 +168,9 @@ def main(argv=None):
             metrics.update(eval_metrics(model, tok, eval_tasks, args))
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
+        if step == total or step % args.save_every == 0:
+            save_state(args.output_dir, step, model, opt, sched, rng=rng.getstate(), order=order, responses=responses,
+                       skipped=skipped)
     log.close()
     print(f"saved {args.output_dir}")
     return model

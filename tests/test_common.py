@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common as C
+from checkpoints import save_checkpoint
 import sampler as S
 import verifier as V
 
@@ -176,7 +177,7 @@ def test_filter_logits_top_k_top_p():
 def test_checkpoint_round_trip(tiny, tmp_path):
     model, tok = tiny
     out = tmp_path / "ckpt"
-    C.save_checkpoint(model, tok, str(out))
+    save_checkpoint(model, tok, str(out))
     assert not [p for p in os.listdir(out) if p.startswith(".tmp")]
     loaded, tok2 = C.load_model(str(out))
     ids = torch.tensor([tok(C.make_prompt([1, 2, 3], 6, "compact"))["input_ids"]])

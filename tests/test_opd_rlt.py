@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common as C
+from checkpoints import save_checkpoint
 import opd
 import rlt
 import sampler as S
@@ -35,10 +36,10 @@ def ckpts(tmp_path_factory):
     for name, seed in (("student", 0), ("teacher", 1)):
         model, tok = tiny_model(seed)
         out[name] = str(tmp_path_factory.mktemp(name))
-        C.save_checkpoint(model, tok, out[name])
+        save_checkpoint(model, tok, out[name])
     other = C.build_tiny_tokenizer(vocab_size=300)
     out["other"] = str(tmp_path_factory.mktemp("other"))
-    C.save_checkpoint(C.build_tiny_model(other), other, out["other"])
+    save_checkpoint(C.build_tiny_model(other), other, out["other"])
     return out
 
 

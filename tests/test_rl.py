@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common as C
+from checkpoints import save_checkpoint
 import grpo
 import rloo
 import sampler as S
@@ -121,7 +122,7 @@ def tiny_ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     tok = C.build_tiny_tokenizer()
-    C.save_checkpoint(C.build_tiny_model(tok), tok, str(out))
+    save_checkpoint(C.build_tiny_model(tok), tok, str(out))
     return str(out)
 
 

@@ -1,0 +1,94 @@
+"""How a run never loses work: atomic HF checkpoints, resumable training states (`--resume`), the rule
+that a finished run is never overwritten silently (`--overwrite`), and what a non-finite step does
+(`--skip_nonfinite`). Every training script calls these the same way; nothing here knows an algorithm."""
+import contextlib
+import math
+import os
+import random
+import shutil
+import tempfile
+
+import torch
+
+from common import CountdownError
+
+
+def save_checkpoint(model, tokenizer, output_dir):
+    """Write an HF checkpoint into output_dir without ever leaving a half-written file: save to a temp
+    dir inside it, then os.replace each file (config.json last: it is what marks a checkpoint)."""
+    os.makedirs(output_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=output_dir)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+STATE_KEEP = 2  # resumable states kept in OUTPUT_DIR/state/ (the newest)
+
+
+def prepare_run(args):
+    """Before a script writes anything: `--resume DIR` continues the run in DIR (it becomes the output dir);
+    else a non-empty --output_dir is refused unless --overwrite, which clears what a run appends to."""
+    if args.resume:
+        if not latest_state(args.resume):
+            raise CountdownError(f"--resume {args.resume}: no saved training state in {args.resume}/state "
+                                 "(runs save one every --save_every steps); start it again with --overwrite")
+        args.output_dir = args.resume
+    elif os.path.isdir(args.output_dir) and os.listdir(args.output_dir):
+        if not args.overwrite:
+            raise CountdownError(f"--output_dir {args.output_dir} is not empty: pass --overwrite to start it again, "
+                                 f"--resume {args.output_dir} to continue it, or another --output_dir")
+        shutil.rmtree(os.path.join(args.output_dir, "state"), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.output_dir, "metrics.jsonl"))
+
+
+def latest_state(output_dir):
+    root = os.path.join(output_dir, "state")
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
+    return os.path.join(root, steps[-1]) if steps else None
+
+
+def save_state(output_dir, step, model, opt, sched=None, **extra):
+    """Everything a run needs to go on at step+1 (weights, optimizer, schedule, RNGs, the script's data
+    order in `extra`), written to a temp dir and renamed to state/step_N: a kill never leaves half a state."""
+    root = os.path.join(output_dir, "state")
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict() if sched else None, "python_rng": random.getstate(),
+                "torch_rng": torch.get_rng_state(), "extra": extra}, os.path.join(tmp, "state.pt"))
+    final = os.path.join(root, f"step_{step:07d}")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(n for n in os.listdir(root) if n.startswith("step_"))[:-STATE_KEEP]:
+        shutil.rmtree(os.path.join(root, old))
+
+
+def load_state(output_dir, model, opt, sched=None):
+    """Restore the newest state of a run in place; returns (step, extra)."""
+    path = latest_state(output_dir)
+    s = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
+    model.load_state_dict(s["model"])
+    opt.load_state_dict(s["optimizer"])
+    if sched is not None:
+        sched.load_state_dict(s["scheduler"])
+    random.setstate(s["python_rng"])
+    torch.set_rng_state(s["torch_rng"])
+    print(f"resuming {output_dir} after step {s['step']} ({path})")
+    return s["step"], s["extra"]
+
+
+def step_is_finite(step, loss, grad_norm, args):
+    """True when the loss and the gradient norm are finite. Otherwise stop with one line naming the step
+    and the last good state (left intact), or with --skip_nonfinite return False: the caller drops the step."""
+    if math.isfinite(loss) and math.isfinite(float(grad_norm)):
+        return True
+    if args.skip_nonfinite:
+        return False
+    last = latest_state(args.output_dir) or "none yet (lower --save_every)"
+    raise CountdownError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at step {step} (loss {loss}, "
+                         f"grad norm {float(grad_norm)}): stopped. Last good state: {last}. Continue with --resume "
+                         f"{args.output_dir} and a lower --lr, or pass --skip_nonfinite to drop such steps")
