@@ -51,15 +51,17 @@ def latest_state(output_dir):
     return os.path.join(root, steps[-1]) if steps else None
 
 
-def save_state(output_dir, step, model, opt, sched=None, **extra):
-    """Everything a run needs to go on at step+1 (weights, optimizer, schedule, RNGs, the script's data
-    order in `extra`), written to a temp dir and renamed to state/step_N: a kill never leaves half a state."""
+def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, **extra):
+    """Everything a run needs to go on at step+1 (weights, optimizer, schedule, the global RNGs, the script's
+    data-order `rng`, a moving reference, and `extra`: its data order), written to a temp dir and renamed to
+    state/step_N: a kill never leaves half a state."""
     root = os.path.join(output_dir, "state")
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
     torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict() if sched else None, "python_rng": random.getstate(),
-                "torch_rng": torch.get_rng_state(), "extra": extra}, os.path.join(tmp, "state.pt"))
+                "torch_rng": torch.get_rng_state(), "rng": rng.getstate() if rng else None,
+                "ref": None if ref is None else ref.state_dict(), "extra": extra}, os.path.join(tmp, "state.pt"))
     final = os.path.join(root, f"step_{step:07d}")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -67,8 +69,8 @@ def save_state(output_dir, step, model, opt, sched=None, **extra):
         shutil.rmtree(os.path.join(root, old))
 
 
-def load_state(output_dir, model, opt, sched=None):
-    """Restore the newest state of a run in place; returns (step, extra)."""
+def load_state(output_dir, model, opt, sched=None, rng=None, ref=None):
+    """Restore the newest state of a run in place (what save_state was given); returns (step, extra)."""
     path = latest_state(output_dir)
     s = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
     model.load_state_dict(s["model"])
@@ -77,6 +79,10 @@ def load_state(output_dir, model, opt, sched=None):
         sched.load_state_dict(s["scheduler"])
     random.setstate(s["python_rng"])
     torch.set_rng_state(s["torch_rng"])
+    if rng is not None:
+        rng.setstate(s["rng"])
+    if ref is not None:
+        ref.load_state_dict(s["ref"])
     print(f"resuming {output_dir} after step {s['step']} ({path})")
     return s["step"], s["extra"]
 

@@ -149,10 +149,9 @@ def main(argv=None):
     total = max(1, math.ceil(args.epochs * len(pairs) / batch))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
-    start, order, skipped = 0, [], 0
-    if args.resume:  # the pairs were rebuilt above from the init, as the first time; now the trained state
-        start, extra = load_state(args.output_dir, model, opt, sched)
-        order, skipped = extra["order"], extra["skipped"]
+    # --resume: the pairs were rebuilt above from the init, as the first time; now the trained state
+    start, extra = load_state(args.output_dir, model, opt, sched) if args.resume else (0, {})
+    order, skipped = extra.get("order", []), extra.get("skipped", 0)
     log = Logger(args.output_dir, total, args, args.wandb_project, start)
 
     def seq_logps(net, chunk):

@@ -247,13 +247,9 @@ def main(argv=None):
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (004)
     B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
-    start, skipped = 0, 0
-    if args.resume:  # weights, optimizer, RNGs and the data order: step start+1 as if never stopped
-        start, extra = load_state(args.output_dir, model, opt)
-        rng.setstate(extra["rng"])
-        order, skipped = extra["order"], extra["skipped"]
-        if ref is not None:
-            ref.load_state_dict(extra["ref"])
+    # --resume: weights, optimizer, RNGs, the moving reference and the data order: step start+1 as if never stopped
+    start, extra = load_state(args.output_dir, model, opt, rng=rng, ref=ref) if args.resume else (0, {})
+    order, skipped = extra.get("order", []), extra.get("skipped", 0)
     log = Logger(args.output_dir, args.max_steps, args, args.wandb_project, start)
     ev_tasks, ev_sols = [t for t, _ in eval_tasks], [s for _, s in eval_tasks]
     if not start:
@@ -320,8 +316,7 @@ def main(argv=None):
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
         if step == args.max_steps or step % args.save_every == 0:
-            save_state(args.output_dir, step, model, opt, rng=rng.getstate(), order=order, skipped=skipped,
-                       ref=None if ref is None else ref.state_dict())
+            save_state(args.output_dir, step, model, opt, rng=rng, ref=ref, order=order, skipped=skipped)
     log.close()
     if args.export:
         ex = solved(tasks, args.export_problems)

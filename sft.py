@@ -114,11 +114,9 @@ def main(argv=None):
     total = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
-    start, order, responses, skipped = 0, [], [], 0
-    if args.resume:  # weights, optimizer, schedule, RNGs and the epoch's order: step start+1 as if never stopped
-        start, extra = load_state(args.output_dir, model, opt, sched)
-        rng.setstate(extra["rng"])
-        order, responses, skipped = extra["order"], extra["responses"], extra["skipped"]
+    # --resume: weights, optimizer, schedule, RNGs and this epoch's order, so step start+1 is as if never stopped
+    start, extra = load_state(args.output_dir, model, opt, sched, rng) if args.resume else (0, {})
+    order, responses, skipped = extra.get("order", []), extra.get("responses", []), extra.get("skipped", 0)
     log = Logger(args.output_dir, total, args, args.wandb_project, start)
     print(f"{len(prompts)} training examples, {steps_per_epoch} steps/epoch, {total} steps, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
@@ -169,8 +167,7 @@ def main(argv=None):
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
         if step == total or step % args.save_every == 0:
-            save_state(args.output_dir, step, model, opt, sched, rng=rng.getstate(), order=order, responses=responses,
-                       skipped=skipped)
+            save_state(args.output_dir, step, model, opt, sched, rng, order=order, responses=responses, skipped=skipped)
     log.close()
     print(f"saved {args.output_dir}")
     return model
