@@ -161,7 +161,7 @@ def main(argv=None):
                 rows = by_len[s:s + args.micro_batch]
                 ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
-                with autocast(device):
+                with autocast(device, model, ref):
                     st = token_stats(model, ids, attn, mask, entropy=True)
                     if ref is not None and s not in ref_cache:  # π_ref does not move within a batch
                         with torch.no_grad():

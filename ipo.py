@@ -160,7 +160,7 @@ def main(argv=None):
         ps, ws, ls = zip(*chunk)
         ids, attn, mask = (x.to(device) for x in tokenize_pairs(tok, list(ps) * 2, list(ws) + list(ls),
                                                                  args.max_prompt_len, args.max_response_len))
-        with autocast(device):
+        with autocast(device, net):
             logp = token_stats(net, ids, attn, mask)["logp"]                      # (2b, T-1)
         m = mask[:, 1:].float()
         seq = sequence_logp(logp, m, args.length_norm)                            # (2b,)

@@ -141,7 +141,7 @@ def main(argv=None):
         for s in range(0, B * G, args.micro_batch):
             rows = by_len[s:s + args.micro_batch]
             ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
-            with autocast(device):  # logp and entropy at T = 1, the KL at kd_temperature, in vocab chunks
+            with autocast(device, model, teacher):  # logp and entropy at T = 1, the KL at kd_temperature, in vocab chunks
                 st = token_stats(model, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=args.kd_temperature)
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m, adv[rows].to(device), args)

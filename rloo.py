@@ -143,7 +143,7 @@ def main(argv=None):
         for s in range(0, B * G, args.micro_batch):
             rows = by_len[s:s + args.micro_batch]
             ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
-            with autocast(device):
+            with autocast(device, model):
                 st = token_stats(model, ids, attn, mask, entropy=True)
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device), args)

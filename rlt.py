@@ -143,7 +143,7 @@ def score_explanations(teacher, student, tok, tasks, sols, explanations, args, d
                 attn[r, P - len(p):end] = 1
             expl_mask[r, P:P + len(e)] = 1
             sol_mask[r, end - len(x):end] = 1
-        with autocast(device):  # student log-probs and KL(teacher ‖ student) in vocab chunks
+        with autocast(device, student, teacher):  # student log-probs and KL(teacher ‖ student) in vocab chunks
             st = token_stats(student, ids_s.to(device), attn_s.to(device), (expl_mask + sol_mask).to(device),
                              teacher=teacher, teacher_inputs=(ids_t.to(device), attn_t.to(device)))
         r, r_ss, r_kl = rlt_reward(st["logp"], st["kl"], sol_mask[:, 1:].to(device).float(),
@@ -281,7 +281,7 @@ def main(argv=None):
             rows = by_len[s:s + args.micro_batch]
             ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
             m = mask[:, 1:].float()                                                    # (b, T-1)
-            with autocast(device):
+            with autocast(device, model, ref):
                 st = token_stats(model, ids, attn, mask, entropy=True)
                 with torch.no_grad():
                     ref_logp = token_stats(ref, ids, attn, mask)["logp"] if ref is not None else None

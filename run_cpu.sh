@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 # (~12k). 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
 DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_max_new_tokens 160)
-RL=(--lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10 --save_every 5)
+RL=(--lr 1e-4 --batch_size 64 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20 --save_every 5)
 
 stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
   local name=$1; shift
@@ -37,12 +37,12 @@ stage() {  # stage NAME COMMAND...: run unless finished before; record its wall 
 }
 
 # 1. SFT from scratch on solver-written traces with at most one dead end (000 §3.2 Eq. 1)
-stage sft python sft.py --model tiny "${COMMON[@]}" --dead_ends 1 --lr 2e-3 --batch_size 64 --micro_batch 64 \
+stage sft python sft.py --model tiny "${COMMON[@]}" --dead_ends 1 --lr 2e-3 --batch_size 64 --micro_batch 32 \
   --max_steps 1200 --eval_every 400 --output_dir "$OUT/sft"
 
 # 2. A stronger teacher for OPD: the SFT model trained longer, on traces with up to 3 dead ends (more search)
 stage teacher python sft.py --model "$OUT/sft" "${COMMON[@]}" --dead_ends 3 --lr 1e-3 --warmup 0 --batch_size 64 \
-  --micro_batch 64 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
+  --micro_batch 32 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
 
 # 3. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2)
 stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --num_prompts 1024 --max_new_tokens 160 \
@@ -64,15 +64,15 @@ stage opd_anticollapse python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" 
 # 8. RLT (004): the SFT model learns to explain given solutions to the frozen SFT student; then it writes
 #    traces for 2,000 training problems, and so does the untrained teacher (the same model, 0 steps)
 stage rlt python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
-  --group_size 8 --micro_batch 128 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
+  --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
   --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
-stage rlt0 python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 128 \
+stage rlt0 python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 64 \
   --max_response_len 160 --max_steps 0 --penalty -10 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
 
 # 9. Three tiny students SFT'd from scratch with the same steps on the same number of problems: the trained
 #    teacher's traces, the untrained one's, the solver's (of the 2,000 exported, RLT skips
 #    the few it cannot explain without truncation and sft.py holds out the last 100 rows of a file)
-STUDENT=(--model tiny "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 64 --max_steps 400 \
+STUDENT=(--model tiny "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
   --eval_every 400)
 stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
 stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"

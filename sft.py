@@ -122,8 +122,11 @@ def main(argv=None):
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
 
     def micro_batches(ps, rs):
-        """Tokenize a step's examples once; yield micro-batches cut to their own longest row."""
+        """Tokenize a step's examples once, sort them by length (the step's loss is a sum, so order is free);
+        yield micro-batches cut to their own longest row: little padding."""
         ids, attn, mask = tokenize_pairs(tok, ps, rs, args.max_prompt_len, args.max_response_len)
+        by_len = attn.sum(1).argsort()                                                   # (B,)
+        ids, attn, mask = ids[by_len], attn[by_len], mask[by_len]
         for s in range(0, len(ps), args.micro_batch):
             L = int(attn[s:s + args.micro_batch].sum(1).max())
             yield tuple(x[s:s + args.micro_batch, :L].to(device) for x in (ids, attn, mask))
@@ -139,7 +142,7 @@ def main(argv=None):
         n_tokens = sum(int(mask[:, 1:].sum()) for _, _, mask in mbs)
         loss_sum, correct = 0.0, 0.0
         for ids, attn, mask in mbs:
-            with autocast(device):
+            with autocast(device, model):
                 stats = token_stats(model, ids, attn, mask)
             nll = sft_loss(stats["logp"], mask[:, 1:])
             (nll / n_tokens).backward()
@@ -159,7 +162,7 @@ def main(argv=None):
                    "time/tokens_per_s": n_tokens / dt}
         if step == total or (args.eval_every and step % args.eval_every == 0):
             if val_prompts:  # held-out loss on responses of problems never trained on
-                with torch.no_grad(), autocast(device):
+                with torch.no_grad(), autocast(device, model):
                     val = [(sft_loss(token_stats(model, i, a, m)["logp"], m[:, 1:]).item(), int(m[:, 1:].sum()))
                            for i, a, m in micro_batches(val_prompts, val_responses)]
                 metrics["eval/loss"] = sum(x for x, _ in val) / sum(n for _, n in val)

@@ -89,6 +89,30 @@ def tiny():
     return C.load_model("tiny")
 
 
+def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
+    """CPU bf16 (cpu_bf16()): bf16 compute with eager attention inside, the model as it was after, even
+    after an error; values within bf16 rounding of fp32. COUNTDOWN_CPU_BF16=0: plain fp32."""
+    model = qwen_like(64).train()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 64, (3, 12))
+    attn, mask = torch.ones_like(ids), torch.ones_like(ids)
+    fp32 = C.token_stats(model, ids, attn, mask)["logp"]
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
+    with C.autocast("cpu", model, None):
+        assert model.config._attn_implementation == "eager"
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+        bf16 = C.token_stats(model, ids, attn, mask)["logp"]
+    assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
+    assert bf16.dtype == torch.float32 and 0 < (bf16 - fp32).abs().max() < 0.05
+    with pytest.raises(RuntimeError), C.autocast("cpu", model):
+        raise RuntimeError("inside")
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")
+    with C.autocast("cpu", model):
+        assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
+        assert torch.equal(C.token_stats(model, ids, attn, mask)["logp"], fp32)
+
+
 def test_mask_keeps_eos_and_drops_prompt_and_padding():
     tok = C.build_tiny_tokenizer()
     prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7, 1], 99, "compact")]

@@ -130,7 +130,8 @@ def test_explanation_needs_the_tag_and_a_finished_completion():
     assert rlt.explanation_of(" 3 + 4 = 7.</think>", False) is None              # cut at max tokens
 
 
-def test_score_explanations_matches_per_row_naive_and_penalizes():
+def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")  # checks the row alignment against fp32, to 1e-4
     teacher, tok = tiny_model(1)
     student, _ = tiny_model(0)
     args = SimpleNamespace(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)
