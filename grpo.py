@@ -15,10 +15,10 @@ Departures from the papers:
   3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps (README, "RL").
 
 Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --output_dir out/grpo
-CPU (embedded, ~3 minutes on 2 cores with its three evaluations; what run_cpu.sh runs):
+CPU (embedded, ~1.5 minutes on 2 cores with its two evaluations; what run_cpu.sh runs):
   python grpo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
-      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --batch_size 64 --group_size 8 --micro_batch 128 \
-      --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir out/cpu/grpo
+      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --batch_size 64 --group_size 8 --micro_batch 64 \
+      --max_response_len 160 --max_steps 20 --eval_every 20 --output_dir out/cpu/grpo
 """
 import copy
 import random

@@ -17,7 +17,7 @@ Real (1×H100, the paper's recipe = the defaults):  python opd.py --init out/sft
 CPU (embedded; measured in the README):
   python opd.py --init out/cpu/sft --teacher out/cpu/teacher --data gen:nums=3,range=1-20,test=200,val=100 \
       --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --eval_max_new_tokens 160 \
-      --lr 1e-4 --batch_size 64 --micro_batch 128 --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir out/cpu/opd
+      --lr 1e-4 --batch_size 64 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20 --output_dir out/cpu/opd
 """
 import random
 import time

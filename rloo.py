@@ -7,16 +7,16 @@ The other G−1 rollouts of the same prompt are the baseline: no critic, and a g
 or never solves gives A = 0 (paper 001's "flatline"; `--reward dense` gives near misses partial credit).
 Departures from the paper:
   1. The KL to the sampler μ is the k3 estimator on the sampled tokens (001 §3.1.4). With the HF
-     sampler μ *is* the current policy (no lag), so w = 1 and this KL and its gradient are ~0; they
-     only act with vLLM's snapshot or a slower weight sync.
+     sampler μ *is* the current policy (no lag), so w = 1 and this KL and its gradient are ~0 up to the
+     trainer's bf16 rounding (common.autocast); they only act with vLLM's snapshot or a slower weight sync.
   2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
   3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps (README, "RL").
 
 Real (1×H100, the paper's recipe = the defaults):  python rloo.py --init out/sft --backend vllm --output_dir out/rloo
-CPU (embedded, ~3 minutes on 2 cores with its three evaluations; what run_cpu.sh runs):
+CPU (embedded, ~1.5 minutes on 2 cores with its two evaluations; what run_cpu.sh runs):
   python rloo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
-      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --batch_size 64 --micro_batch 128 \
-      --max_response_len 160 --max_steps 20 --eval_every 10 --output_dir out/cpu/rloo
+      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --batch_size 64 --micro_batch 64 \
+      --max_response_len 160 --max_steps 20 --eval_every 20 --output_dir out/cpu/rloo
 """
 import random
 import time

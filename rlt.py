@@ -18,7 +18,7 @@ Real (1×H100):  python rlt.py --init out/sft --student out/sft --backend vllm -
 CPU (embedded; measured in the README):
   python rlt.py --init out/cpu/sft --student out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 \
       --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --lr 1e-4 --batch_size 16 \
-      --group_size 8 --micro_batch 128 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
+      --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
       --export out/cpu/rlt/traces.jsonl
 """
 import copy

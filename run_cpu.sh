@@ -3,10 +3,12 @@
 # printed before it runs, so you can copy it (and swap the flags for the papers' defaults) to a GPU.
 #   ./run_cpu.sh [--force] [OUT_DIR]   default out/cpu; a finished stage (OUT_DIR/NAME/wall_seconds) is
 #                                      skipped and a killed one resumed from its last state; --force reruns all
+#   RLT_CONTROL=1 ./run_cpu.sh          also RLT's control: a student of the untrained teacher (+2.5 min here)
 # At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
 set -euo pipefail
 cd "$(dirname "$0")"
 FORCE=${FORCE:-}
+RLT_CONTROL=${RLT_CONTROL:-}
 if [[ ${1:-} == --force ]]; then FORCE=1; shift; fi
 OUT=${1:-out/cpu}
 mkdir -p "$OUT"
@@ -62,20 +64,20 @@ stage opd_anticollapse python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" 
   --entropy_coef 1e-2 --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"
 
 # 8. RLT (004): the SFT model learns to explain given solutions to the frozen SFT student; then it writes
-#    traces for 2,000 training problems, and so does the untrained teacher (the same model, 0 steps)
+#    traces for 2,000 training problems. With RLT_CONTROL=1 so does the untrained teacher (the same model, 0 steps)
 stage rlt python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
   --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
   --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
-stage rlt0 python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 64 \
+[[ -n $RLT_CONTROL ]] && stage rlt0 python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 64 \
   --max_response_len 160 --max_steps 0 --penalty -10 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
 
-# 9. Three tiny students SFT'd from scratch with the same steps on the same number of problems: the trained
-#    teacher's traces, the untrained one's, the solver's (of the 2,000 exported, RLT skips
-#    the few it cannot explain without truncation and sft.py holds out the last 100 rows of a file)
+# 9. Tiny students SFT'd from scratch with the same steps on the same number of problems: the trained
+#    teacher's traces, the solver's, and with RLT_CONTROL=1 the untrained teacher's (of the 2,000 exported,
+#    RLT skips the few it cannot explain without truncation and sft.py holds out the last 100 rows of a file)
 STUDENT=(--model tiny "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
   --eval_every 400)
 stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
-stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"
+[[ -n $RLT_CONTROL ]] && stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"
 stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 --output_dir "$OUT/solver_student"
 
 # 10. Paper 000's Tables 1 and 2 for every stage, results.json and the plots

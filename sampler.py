@@ -43,6 +43,14 @@ def _filter_logits(logits, temperature, top_k, top_p):
     return logits
 
 
+def _sample(logits, gen):
+    """One token per row from softmax(logits) by inverse CDF: one uniform per row, where torch.multinomial
+    draws one exponential per vocabulary entry (measured: 8% of all sampling time). (N, V) -> (N,)"""
+    cdf = logits.softmax(-1).cumsum(-1)                                                       # (N, V)
+    u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]
+    return (cdf < u).sum(-1).clamp(max=cdf.shape[-1] - 1)  # the first index whose cdf reaches u
+
+
 class HFSampler:
     """Plain-PyTorch KV-cache sampling with the training model itself (so sync() has nothing to copy).
     Rows are left-padded and decoded in batches of `batch_size`. Rows that hit EOS leave the batch and its
@@ -91,12 +99,12 @@ class HFSampler:
         active = torch.ones(b, dtype=torch.bool, device=dev)  # live rows that have not produced EOS yet
         for t in range(max_new_tokens):
             logits = out.logits[:, -1]                                                          # (live, V)
-            if t == 0 and not torch.isfinite(logits).all():  # a blown-up model: say so, not multinomial's error
+            if t == 0 and not torch.isfinite(logits).all():  # a blown-up model: say so, not a sampling error
                 raise CountdownError("the model's logits are not finite: its weights have blown up (too large an --lr?)")
             if temperature == 0:
                 tok = logits.argmax(-1)
             else:
-                tok = torch.multinomial(_filter_logits(logits, temperature, top_k, top_p).softmax(-1), 1, generator=gen)[:, 0]
+                tok = _sample(_filter_logits(logits, temperature, top_k, top_p), gen)
             rows_t = live[active]
             toks[rows_t, t] = tok[active]
             lps[rows_t, t] = torch.log_softmax(logits[active].float(), -1).gather(-1, tok[active, None])[:, 0]  # raw, T = 1

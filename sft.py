@@ -11,10 +11,10 @@ Departures from the paper:
 
 Real (1×H100, the paper's recipe = the defaults):
   python sft.py --output_dir out/sft
-CPU (embedded, ~10 minutes on 2 cores with its three evaluations; what run_cpu.sh runs):
+CPU (embedded, ~4.5 minutes on 2 cores with its three evaluations; what run_cpu.sh runs):
   python sft.py --model tiny --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
       --template compact --eval_problems 100 --eval_max_new_tokens 160 --dead_ends 1 --lr 2e-3 --batch_size 64 \
-      --micro_batch 64 --max_steps 1200 --eval_every 400 --output_dir out/cpu/sft
+      --micro_batch 32 --max_steps 1200 --eval_every 400 --output_dir out/cpu/sft
 """
 import math
 import os

@@ -189,6 +189,15 @@ def test_rollout_batch_aligns_rows_with_their_prompts():
     assert torch.allclose(old, torch.tensor([[0, -.6, -.7], [-.8, -.9, -1.0]]))
 
 
+def test_inverse_cdf_sampling_matches_the_distribution_and_the_filters():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0, float("-inf")]]).repeat(100_000, 1)
+    freq = torch.bincount(S._sample(logits, gen), minlength=5).float() / 100_000
+    assert (freq - logits[0].softmax(-1)).abs().max() < 0.006 and freq[4] == 0   # 4 sigma at these counts
+    kept = S._sample(S._filter_logits(logits[:1000], 1.0, 2, 1.0), gen)       # top-k 2: only tokens 0 and 2
+    assert set(kept.tolist()) == {0, 2}
+
+
 def test_filter_logits_top_k_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = lambda **kw: torch.isfinite(S._filter_logits(logits, 1.0, **kw)).tolist()[0]
