@@ -14,10 +14,11 @@ OUT=${1:-out/cpu}
 mkdir -p "$OUT"
 
 # One problem distribution for every stage: 3 numbers in 1-20, targets 10-100. Its 200 test problems
-# are never trained on and periodic evals use the 100 val problems; training draws from the rest
-# (~12k). 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
+# are never trained on; periodic evals use the 100 val problems x 4 samples (a pass@1 curve; the 200 x 16
+# test evaluation after each stage makes the pass@k tables); training draws from the rest (~12k).
+# 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
 DATA="gen:nums=3,range=1-20,test=200,val=100"
-COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_max_new_tokens 160)
+COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens 160)
 RL=(--lr 1e-4 --batch_size 64 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20 --save_every 5)
 
 stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
