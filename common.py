@@ -74,6 +74,12 @@ def cpu_bf16():
     return any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
+def trains_in_bf16(device):
+    """Whether training forwards on `device` compute in bf16 (autocast below): on a GPU always, on a CPU
+    where cpu_bf16(). Every script records it in args.json as `train_compute`."""
+    return device == "cuda" or cpu_bf16()
+
+
 @contextlib.contextmanager
 def autocast(device, *models):
     """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16 AdamW
@@ -81,7 +87,7 @@ def autocast(device, *models):
     `models` switched to eager attention meanwhile: the CPU's fused attention is 4x slower in bf16 backward,
     while its eager matmuls gain like the others (measured: one SFT step 0.35 s fp32, 0.32 s bf16 fused,
     0.20 s bf16 eager). Without `models`, or on another CPU, plain fp32: sampling is fastest that way here."""
-    models = [m for m in models if m is not None] if device == "cpu" and cpu_bf16() else []  # None: no ref model
+    models = [m for m in models if m is not None] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
     before = [m.config._attn_implementation for m in models]
     try:
         for m in models:
@@ -361,8 +367,8 @@ class Logger:
         os.makedirs(output_dir, exist_ok=True)
         if args is not None:
             with open(os.path.join(output_dir, "args.json"), "w") as f:
-                json.dump({**dataclasses.asdict(args), "train_compute": "bf16" if torch.cuda.is_available() or cpu_bf16()
-                           else "fp32"}, f, indent=1)  # which precision the training forwards ran in (autocast)
+                bf16 = trains_in_bf16(device_and_dtype()[0])  # the precision of the training forwards
+                json.dump({**dataclasses.asdict(args), "train_compute": "bf16" if bf16 else "fp32"}, f, indent=1)
         path = os.path.join(output_dir, "metrics.jsonl")
         if start_step and os.path.isfile(path):  # resumed: drop what was logged after the restored state
             keep = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= start_step]
