@@ -1,6 +1,6 @@
 """The Countdown task, standard library only: answer extraction, exact scoring (paper 000 §3.1; dense:
 paper 001), solver, generator, solver-written search traces and operator-flip negatives. Nothing here
-calls eval: one regex tokenizes, an explicit-stack shunting-yard parses (so 5,000 nested parentheses
+calls eval: one regex tokenizes, an explicit-stack shunting-yard parses (so 2,000 nested parentheses
 cannot hit Python's recursion limit) and fractions.Fraction computes exactly."""
 import functools
 import itertools
@@ -11,6 +11,8 @@ from collections import Counter
 from fractions import Fraction
 
 _TOKEN = re.compile(r"\d+|\S", re.ASCII)  # a literal, or any single non-space character
+_LITERAL = re.compile(r"\d+", re.ASCII)
+MAX_ANSWER_CHARS = 4096  # longer answers score 0.1 unparsed: no Countdown answer needs more (see score)
 _ALLOWED = re.compile(r"[\d\s+\-*/()]*", re.ASCII)  # ASCII: '３' or '٣' are not the number 3
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "neg": 3}
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}  # Fraction / 0 raises
@@ -26,15 +28,15 @@ def extract_answer(response):
 def evaluate_expression(expr, numbers):
     """Exact value of `expr` if it is a valid expression whose literals are exactly `numbers` (as a
     multiset), else None. Cheap checks first so hostile input never reaches the parser."""
-    if not _ALLOWED.fullmatch(expr):  # names, '.', '%', '=', '^', unicode operators, ...
+    if len(expr) > MAX_ANSWER_CHARS or not _ALLOWED.fullmatch(expr):  # names, '.', '%', '=', '^', ...
         return None
-    tokens = _TOKEN.findall(expr)
-    literals = [t for t in tokens if t.isdigit()]
+    # Count the literals before tokenizing: "1+1+...+1" stops at the (n+1)-th, whatever its length.
+    literals = [m.group() for m in itertools.islice(_LITERAL.finditer(expr), len(numbers) + 1)]
     if len(literals) != len(numbers) or any(len(t) > 12 for t in literals):
         return None  # wrong count, or a literal no Countdown number could be (keeps int() cheap)
     if Counter(int(t) for t in literals) != Counter(int(n) for n in numbers):
         return None
-    return _shunting_yard(tokens)
+    return _shunting_yard(_TOKEN.findall(expr))
 
 
 def _apply(op, values):
@@ -86,7 +88,9 @@ def _shunting_yard(tokens):
 
 
 def score(response, numbers, target):
-    """Paper 000 §3.1 reward: 1.0 correct, 0.1 answer present but wrong/invalid, 0.0 no answer."""
+    """Paper 000 §3.1 reward: 1.0 correct, 0.1 answer present but wrong/invalid, 0.0 no answer. One
+    departure: an answer over MAX_ANSWER_CHARS scores 0.1 unparsed, so that any input scores in < 10 ms
+    (a megabyte of valid nesting would take seconds to parse in Python)."""
     expr = extract_answer(response)
     return 0.0 if expr is None else 1.0 if evaluate_expression(expr, numbers) == target else 0.1
 
@@ -97,7 +101,7 @@ def dense_score(response, numbers, target):
     expr = extract_answer(response)
     value = None if expr is None else evaluate_expression(expr, numbers)
     if value is None or value == target:
-        return score(response, numbers, target)
+        return 0.0 if expr is None else 0.1 if value is None else 1.0
     return 0.1 + 0.5 * max(0.0, 1.0 - float(abs(value - target)) / max(1, abs(target)))
 
 

@@ -96,20 +96,35 @@ ADVERSARIAL = [
     ans("3 + 5 * 4" + " " * 100_000),
     "<answer>" * 50_000 + "</answer>" * 50_000,
     ans("\x00\uffff" * 1000),
+    ans("1+" * 200_000 + "1"),  # 400,000 characters, 200,001 literals
+    ans("1+" * 2000 + "1"),  # under the length cap: rejected by the literal count, never tokenized
+    ans("(" * 500_000 + "3 + 5" + ")" * 500_000 + " * 4"),  # 1 MB of valid nesting
+    ans("-" * 1_000_000 + "3 + 5 * 4"),  # 1 MB of unary minus
+    ans("-" * (V.MAX_ANSWER_CHARS - 10) + "3 + 5 * 4"),  # the slowest answer the parser still takes
+    "x" * 1_000_000 + ans("3 + 5 * 4"),  # 1 MB of text before the answer
 ]
 
 
 @pytest.mark.parametrize("response", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
 def test_adversarial_inputs_are_fast_and_safe(response):
     for fn in (V.score, V.dense_score):
-        t = time.perf_counter()
-        result = fn(response, NUMS, TARGET)
-        assert time.perf_counter() - t < 0.05
+        seconds = []
+        for _ in range(3):  # the best of 3, so a busy CI core does not fail the test
+            t = time.perf_counter()
+            result = fn(response, NUMS, TARGET)
+            seconds.append(time.perf_counter() - t)
+        assert min(seconds) < 0.010, f"{min(seconds) * 1e3:.1f} ms"
         assert result in (0.0, 0.1, 1.0) or 0.1 <= result <= 0.6
 
 
 def test_deep_but_valid_nesting_still_scores():
-    assert V.score(ans("(" * 5000 + "3 + 5" + ")" * 5000 + " * 4"), NUMS, TARGET) == 1.0
+    """2,000 levels: twice Python's recursion limit, under MAX_ANSWER_CHARS."""
+    assert V.score(ans("(" * 2000 + "3 + 5" + ")" * 2000 + " * 4"), NUMS, TARGET) == 1.0
+
+
+def test_answers_over_the_length_cap_score_point_one():
+    padded = "3 + 5 * 4" + " " * V.MAX_ANSWER_CHARS  # valid, but longer than any answer needs to be
+    assert V.score(ans(padded), NUMS, TARGET) == 0.1 and V.dense_score(ans(padded), NUMS, TARGET) == 0.1
 
 
 def test_dense_score():
