@@ -2,23 +2,23 @@
 §2 Eq. 1-2; paper 002 §3 Eq. 1 and its Countdown recipe).
 
     A_i = (r_i − mean_j r_j) / (std_j r_j + ε)                              (004 Eq. 2; Dr. GRPO: no std)
-    l_it = min(ρ_it A_i, clip(ρ_it, 1−ε_lo, 1+ε_hi) A_i) − β k3(π_θ ‖ π_ref),   ρ_it = π_θ(o_it)/π_old(o_it)
+    l_it = min(ρ_it A_i, clip(ρ_it, 1−ε_lo, 1+ε_hi) A_i) − β D_KL(π_θ ‖ π_ref),   ρ_it = π_θ(o_it)/π_old(o_it)
     L = −agg(l):  seq-mean 1/G Σ_i 1/|o_i| Σ_t (DeepSeekMath, 004)  |  token-mean 1/Σ|o_i| Σ_i Σ_t
                   (DAPO; 002 Eq. 1)  |  constant 1/(G·L_max) Σ_i Σ_t (Dr. GRPO)
 seq-mean gives each rollout the same weight, so a token of a long wrong answer is pushed down less than
 one of a short one: it prefers long failures. token-mean and constant give every token the same weight.
+π_θ and π_old in ρ are both softmax(logits / T) at the rollout temperature (as TRL): the policy that sampled.
+D_KL is k3 times ρ (TRL's use_bias_correction_kl), whose gradient is that of KL(π_θ ‖ π_ref) as Eq. 1
+writes it; --no-kl_ratio is DeepSeekMath's plain k3, whose gradient is that of KL(π_ref ‖ π_θ).
+Defaults are 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5); 004's values are in each --help.
 Departures from the papers:
-  1. π_old is the sampler's own per-token log-prob (T = 1) of what it sampled, as in rloo.py. TRL divides
-     the logits by the sampling temperature first, training the tempered policy; at T = 1 they agree.
-  2. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts from
+  1. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts from
      the second pass over a batch on. Only 002's temperature of its exploration knobs is here.
+  2. No LoRA (002 trains rank 8): full fine-tuning.
   3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps (README, "RL").
 
 Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --output_dir out/grpo
-CPU (embedded, ~1.5 minutes on 2 cores with its two evaluations; what run_cpu.sh runs):
-  python grpo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
-      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --batch_size 64 --group_size 8 --micro_batch 64 \
-      --max_response_len 160 --max_steps 20 --eval_every 20 --output_dir out/cpu/grpo
+CPU (embedded): the `grpo` stage of run_cpu.sh, which prints its exact command.
 """
 import copy
 import random
@@ -43,13 +43,13 @@ class Args:
     output_dir: str = arg("out/grpo", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for task order and sampling")
     template: str = arg("base", "prompt template: base | compact")
-    lr: float = arg(5e-6, "constant learning rate (002 §5.1: higher was unstable)")
-    batch_size: int = arg(16, "prompts per step; each gets --group_size rollouts (002: 16 x 16)")
+    lr: float = arg(5e-6, "constant learning rate (002 §5.1: higher was unstable; 004 Table 6: 1e-6)")
+    batch_size: int = arg(16, "prompts per step; each gets --group_size rollouts (002 §5.1: 16 x 16; 004 Table 6: 4 x 64)")
     micro_batch: int = arg(16, "rollouts per forward/backward (bounds memory)")
-    weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 6)")
+    weight_decay: float = arg(0.0, "AdamW weight decay (002 gives none; 004 Table 6: 0)")
     grad_clip: float = arg(1.0, "global grad-norm clip")
     max_prompt_len: int = arg(512, "prompts longer than this are an error")
-    max_response_len: int = arg(1024, "rollout budget in new tokens (002: 1024; shorter truncates good answers)")
+    max_response_len: int = arg(1024, "rollout budget in new tokens (002 §4-5.1: 1024; shorter truncates good answers)")
     eval_every: int = arg(50, "steps between held-out evaluations (0: only at start and end)")
     eval_problems: int = arg(200, "held-out problems per evaluation")
     eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
@@ -61,21 +61,25 @@ class Args:
     overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
     skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
     # on-policy RL, shared by rloo/grpo/opd/rlt
-    max_steps: int = arg(200, "rollout batches (each gives --num_iterations optimizer steps)")
-    group_size: int = arg(16, "G rollouts per prompt (002: 16; 004: 64)")
-    temperature: float = arg(1.0, "rollout sampling temperature (002's best: 1.5; top_p 1, no top_k)")
+    max_steps: int = arg(200, "rollout batches, --num_iterations optimizer steps each (002 §5.1: its best within 200; "
+                              "004 Table 6: 250)")
+    group_size: int = arg(16, "G rollouts per prompt (002 §5.1: 16; 004 Table 6: 64)")
+    temperature: float = arg(1.5, "rollout temperature; log-probs are of logits / T (002 Table 1: 1.5 its best, "
+                                  "0.6 its default before; 004 Table 6: 0.7); top_p 1, no top_k")
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # GRPO specific
-    beta: float = arg(0.04, "β, weight of the k3 KL to the frozen reference (004 Table 6; 0: no reference)")
-    epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high]")
+    beta: float = arg(0.001, "β, weight of the KL to the frozen reference (002 §5.2: 0.001; 004 Table 6: 0.04; "
+                             "0: no reference)")
+    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: DeepSeekMath's k3, KL(π_ref‖π_θ)'s)")
+    epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high] (DeepSeekMath and TRL: 0.2)")
     epsilon_high: float = arg(0.0, "upper clip ε_high (DAPO's clip-higher: 0.28); 0 = same as --epsilon")
     num_iterations: int = arg(1, "optimizer steps per rollout batch, each over the whole batch (DeepSeekMath's μ)")
     scale_rewards: bool = arg(True, "divide by the group's reward std (--no-scale_rewards: Dr. GRPO)")
     loss_agg: str = arg("token-mean", "seq-mean (DeepSeekMath) | token-mean (DAPO, 002 Eq. 1) | constant (Dr. GRPO)")
     mask_truncated: bool = arg(False, "leave rollouts cut at --max_response_len out of the loss (002 §3)")
-    ref_sync_every: int = arg(0, "every N steps move π_ref toward π_θ (004: 32; 0: never)")
-    ref_sync_mix: float = arg(0.9, "π_ref ← mix · π_θ + (1 − mix) · π_ref at a sync (004: 0.9)")
+    ref_sync_every: int = arg(0, "every N steps move π_ref toward π_θ (002: never, 0; 004 Table 6: 32)")
+    ref_sync_mix: float = arg(0.9, "π_ref ← mix · π_θ + (1 − mix) · π_ref at a sync (004 Table 6: 0.9)")
 
 
 def grpo_advantages(reward, scale=True, eps=1e-4):
@@ -85,11 +89,15 @@ def grpo_advantages(reward, scale=True, eps=1e-4):
     return centered / (reward.std(1, keepdim=True) + eps) if scale else centered
 
 
-def k3_kl(logp, other_logp):
-    """Schulman's k3 estimate of KL(π_θ ‖ other) per token sampled from π_θ (004 Eq. 1's D_KL):
-    r − 1 − log r with r = other/π_θ. Never negative, 0 where the two agree. (b, T-1) -> (b, T-1)"""
+def k3_kl(logp, other_logp, sample_logp=None):
+    """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative.
+    On tokens from π_θ its value estimates KL(π_θ ‖ other), but as a loss its gradient is KL(other ‖ π_θ)'s.
+    With `sample_logp`, the log-probs of the policy π_old that drew the tokens, k3 is multiplied by the
+    differentiable ratio ρ = π_θ/π_old (TRL's use_bias_correction_kl): over π_old's tokens its expectation
+    is then KL(π_θ ‖ other) and its gradient that KL's, exactly (tests/test_rl.py checks both)."""
     log_r = other_logp - logp
-    return log_r.exp() - 1 - log_r
+    k3 = log_r.exp() - 1 - log_r
+    return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, args):
@@ -99,7 +107,8 @@ def grpo_loss(logp, old_logp, ref_logp, adv, args):
     ratio = (logp - old_logp).exp()                                                    # (b, T-1) ρ_it
     A = adv[:, None]                                                                   # (b, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + eps_hi) * A)
-    kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    kl = torch.zeros_like(logp) if ref_logp is None else \
+        k3_kl(logp, ref_logp, old_logp if args.kl_ratio else None)                     # (b, T-1) D_KL, Eq. 1
     clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - args.epsilon) & (A < 0))
     return -surrogate + args.beta * kl, {"kl": kl, "ratio": ratio.detach(), "clipped": clipped.float()}
 
@@ -154,7 +163,7 @@ def main(argv=None):
         n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)     # tokens in the loss
         # ---- num_iterations passes over the batch, forward / backward per micro-batch ----
         by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
-        sums = {k: 0.0 for k in ("loss", "entropy", "kl", "is_weight", "clip_frac")}
+        sums = {k: 0.0 for k in ("loss", "entropy", "kl", "ratio", "clip_frac")}
         gap, w_max, ref_cache, grad_norms = 0.0, 0.0, {}, []
         for it in range(args.num_iterations):
             for s in range(0, B * G, args.micro_batch):
@@ -162,15 +171,15 @@ def main(argv=None):
                 ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
-                    st = token_stats(model, ids, attn, mask, entropy=True)
+                    st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)  # logits / T
                     if ref is not None and s not in ref_cache:  # π_ref does not move within a batch
                         with torch.no_grad():
-                            ref_cache[s] = token_stats(ref, ids, attn, mask)["logp"]
+                            ref_cache[s] = token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
                 per_token, parts = grpo_loss(st["logp"], old_logp, ref_cache.get(s), adv[rows].to(device), args)
                 loss = aggregate(per_token, m, args.loss_agg, B * G, n_tok, args.max_response_len)
                 loss.backward()
                 sums["loss"] += loss.item()
-                for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]), ("is_weight", parts["ratio"]),
+                for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]), ("ratio", parts["ratio"]),
                              ("clip_frac", parts["clipped"])):
                     sums[k] += (v.detach() * m).sum().item() / max(n_tok, 1)  # token means over the batch
                 if it == 0:
@@ -194,7 +203,7 @@ def main(argv=None):
                         "train/zero_adv_groups": (group_std == 0).float().mean(),
                         "train/resp_len": sum(map(len, ro.completion_ids)) / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
-                        "train/is_weight_max": w_max, "train/sampler_gap": gap / max(n_tok, 1), "train/lr": args.lr,
+                        "train/ratio_max": w_max, "train/sampler_gap": gap / max(n_tok, 1), "train/lr": args.lr,
                         "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):

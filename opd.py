@@ -1,12 +1,14 @@
 """OPD: on-policy distillation from a frozen teacher, hybrid with RLOO (paper 000 §3.3, Eq. 4, Algorithm 1).
 
     L = λ_KL · mean_t KL(softmax(z_T/T) ‖ softmax(z_S/T))  +  λ_RL · L_PG  −  λ_H · mean_t H(softmax(z_S))   (Eq. 4)
-    L_PG = −w_i A_i log π_θ(y_i|x),  A_i = R_i − mean_{j≠i} R_j,  w_i = clip(π_θ/μ, max 10)  (Eq. 3, T = 1)
+    L_PG = −w_i A_i log π_θ(y_i|x),  A_i = R_i − mean_{j≠i} R_j,  w_i = clip(π_θ/μ, max 10)           (Eq. 3)
 
 The student samples; the teacher only scores the student's own tokens, so its guidance lands where the
 student actually goes. Forward KL (teacher first) is mode-covering: the student pays for giving low mass
 to any token the teacher finds plausible. λ_KL = λ_RL = 0.5 lets the verifier overrule an imperfect teacher.
-Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_coef 1e-2 --kd_temperature 1.3.
+Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_coef 1e-2 --kd_temperature 1.3. L_PG and H use
+the rollout distribution softmax(z_S / --temperature), the one μ sampled from (1.0 in the paper); the KL
+has its own T. Watch `train/is_weight_raw`, w before its clip: the paper's rises to ~12.4 (App. B).
 Departures from the paper:
   1. The KL and the entropy are means over each rollout's tokens, then averaged over rollouts like L_PG.
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
@@ -14,10 +16,7 @@ Departures from the paper:
 
 Real (1×H100, the paper's recipe = the defaults):  python opd.py --init out/sft --teacher out/teacher --backend vllm
   anti-collapse: python opd.py --init out/opd --entropy_coef 1e-2 --kd_temperature 1.3 --max_steps 150 --output_dir out/opd_ac
-CPU (embedded; measured in the README):
-  python opd.py --init out/cpu/sft --teacher out/cpu/teacher --data gen:nums=3,range=1-20,test=200,val=100 \
-      --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --eval_max_new_tokens 160 \
-      --lr 1e-4 --batch_size 64 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20 --output_dir out/cpu/opd
+CPU (embedded): the `opd` and `opd_anticollapse` stages of run_cpu.sh, which prints their exact commands.
 """
 import random
 import time
@@ -61,7 +60,7 @@ class Args:
     # on-policy RL, shared by rloo/grpo/opd/rlt
     max_steps: int = arg(100, "optimizer steps, one rollout batch each (000 Table 5: 100; anti-collapse 150)")
     group_size: int = arg(8, "G rollouts per prompt")
-    temperature: float = arg(1.0, "rollout sampling temperature (000: 1.0; top_p 1, no top_k)")
+    temperature: float = arg(1.0, "rollout temperature; log-probs are of logits / T (000 Table 5: 1.0; top_p 1, no top_k)")
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # OPD specific
@@ -82,17 +81,19 @@ def rloo_advantages(reward):
 
 
 def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, args):
-    """Algorithm 1 lines 5-9 per rollout (b,). logp: raw (T = 1) student log-probs of the sampled tokens;
-    old_logp: the sampler μ's; teacher_kl: KL(teacher ‖ student) at kd_temperature per token; entropy:
-    the student's at T = 1; all (b, T-1); mask (b, T-1); adv (b,). The caller averages over rollouts."""
+    """Algorithm 1 lines 5-9 per rollout (b,). logp, old_logp: the student's and the sampler μ's log-probs
+    of the sampled tokens, both at the rollout temperature; teacher_kl: KL(teacher ‖ student) at
+    kd_temperature per token; entropy: the student's; all (b, T-1); mask (b, T-1); adv (b,). The caller
+    averages over rollouts."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
     logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)               # (b,) log π(y_i|x)
-    w = (logp_seq - old_seq).detach().exp().clamp(max=args.is_clip)                    # (b,) line 6, detached
+    w_raw = (logp_seq - old_seq).detach().exp()                                        # (b,) line 6, detached
+    w = w_raw.clamp(max=args.is_clip)
     pg = -w * adv * logp_seq                                                           # (b,) line 7
     kl = (teacher_kl * mask).sum(-1) / n_tok                                           # (b,) line 5: mean_t
     ent = (entropy * mask).sum(-1) / n_tok                                             # (b,) line 8: mean_t
     loss = args.kl_coef * kl + args.rl_coef * pg - args.entropy_coef * ent             # (b,) line 9 (Eq. 4)
-    return loss, {"pg": pg.detach(), "is_weight": w}
+    return loss, {"pg": pg.detach(), "is_weight": w, "is_weight_raw": w_raw}
 
 
 def main(argv=None):
@@ -136,24 +137,25 @@ def main(argv=None):
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- forward / backward per micro-batch: student with grad, teacher without ----
         by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
-        sums = {k: 0.0 for k in ("loss", "kl", "pg", "entropy", "is_weight")}
+        sums = {k: 0.0 for k in ("loss", "kl", "pg", "entropy", "is_weight", "is_weight_raw")}
         gap, w_max, n_tok = 0.0, 0.0, sum(map(len, ro.completion_ids))
         for s in range(0, B * G, args.micro_batch):
             rows = by_len[s:s + args.micro_batch]
             ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
-            with autocast(device, model, teacher):  # logp and entropy at T = 1, the KL at kd_temperature, in vocab chunks
-                st = token_stats(model, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=args.kd_temperature)
+            with autocast(device, model, teacher):  # logp, entropy at the rollout T, the KL at kd_temperature, in vocab chunks
+                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True, teacher=teacher,
+                                 kd_temperature=args.kd_temperature)
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m, adv[rows].to(device), args)
             loss = loss.sum() / (B * G)                                                # mean over rollouts
             loss.backward()
             sums["loss"] += loss.item()
-            sums["pg"] += parts["pg"].sum().item() / (B * G)
-            sums["is_weight"] += parts["is_weight"].sum().item() / (B * G)
+            for k in ("pg", "is_weight", "is_weight_raw"):  # means over rollouts
+                sums[k] += parts[k].sum().item() / (B * G)
             for k in ("kl", "entropy"):  # token means over the batch, as rloo.py logs them
                 sums[k] += (st[k].detach() * m).sum().item() / n_tok
             gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
-            w_max = max(w_max, parts["is_weight"].max().item())
+            w_max = max(w_max, parts["is_weight_raw"].max().item())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if step_is_finite(step, sums["loss"], grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
             opt.step()
@@ -168,7 +170,7 @@ def main(argv=None):
                         "train/zero_adv_groups": (group_std == 0).float().mean(),
                         "train/resp_len": n_tok / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
-                        "train/is_weight_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
+                        "train/is_weight_raw_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
                         "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):

@@ -1,22 +1,23 @@
 """RLOO: REINFORCE with a leave-one-out baseline on the verifier's reward (paper 000 §3.2, Eq. 3; Table 5).
 
     A_i = R_i − 1/(G−1) Σ_{j≠i} R_j          L_PG = −(1/G) Σ_i w_i A_i log π_θ(y_i|x)           (Eq. 3)
-    w_i = clip(exp(log π_θ(y_i) − log μ(y_i)), max 10), detached;    L = L_PG − λ_H H(π_θ) + λ_KL KL(μ‖π_θ)
+    w_i = clip(exp(log π_θ(y_i) − log μ(y_i)), max 10), detached;    L = L_PG − λ_H H(π_θ) + λ_KL KL(π_θ‖μ)
 
 The other G−1 rollouts of the same prompt are the baseline: no critic, and a group the policy always
 or never solves gives A = 0 (paper 001's "flatline"; `--reward dense` gives near misses partial credit).
+log π_θ and log μ are both of the distribution that sampled, softmax(logits / T) (as TRL does), so at
+T ≠ 1 the update trains the policy that drew the rollouts. `train/is_weight_raw` is w before its clip:
+the number paper 000 (App. B) watches drift to ~12.4.
 Departures from the paper:
-  1. The KL to the sampler μ is the k3 estimator on the sampled tokens (001 §3.1.4). With the HF
-     sampler μ *is* the current policy (no lag), so w = 1 and this KL and its gradient are ~0 up to the
-     trainer's bf16 rounding (common.autocast); they only act with vLLM's snapshot or a slower weight sync.
+  1. The paper names no estimator or direction for the KL to the sampler μ. We use k3 (001 §3.1.4) times
+     the differentiable ratio π_θ/μ: on μ's tokens its gradient is exactly KL(π_θ‖μ)'s (--no-kl_ratio:
+     plain k3, whose gradient is neither KL's once μ lags). With the HF sampler μ *is* the policy, so
+     w = 1 and the term is ~0 (bf16 rounding aside); it acts with vLLM's snapshot or a slower sync.
   2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
   3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps (README, "RL").
 
 Real (1×H100, the paper's recipe = the defaults):  python rloo.py --init out/sft --backend vllm --output_dir out/rloo
-CPU (embedded, ~1.5 minutes on 2 cores with its two evaluations; what run_cpu.sh runs):
-  python rloo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
-      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --batch_size 64 --micro_batch 64 \
-      --max_response_len 160 --max_steps 20 --eval_every 20 --output_dir out/cpu/rloo
+CPU (embedded): the `rloo` stage of run_cpu.sh, which prints its exact command.
 """
 import random
 import time
@@ -60,13 +61,14 @@ class Args:
     # on-policy RL, shared by rloo/grpo/opd/rlt
     max_steps: int = arg(200, "optimizer steps, one rollout batch each (000 Table 5)")
     group_size: int = arg(8, "G rollouts per prompt")
-    temperature: float = arg(1.0, "rollout sampling temperature (000: 1.0; top_p 1, no top_k)")
+    temperature: float = arg(1.0, "rollout temperature; log-probs are of logits / T (000 Table 5: 1.0; top_p 1, no top_k)")
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # RLOO specific
     entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2; it acts near 1 here: README)")
     kl_coef: float = arg(1e-3, "λ_KL, KL penalty to the sampling policy μ (000 Table 5)")
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
+    kl_ratio: bool = arg(True, "k3 times the ratio π_θ/μ: the gradient of KL(π_θ‖μ) (--no-kl_ratio: plain k3)")
 
 
 def rloo_advantages(reward):
@@ -79,15 +81,20 @@ def rloo_advantages(reward):
 
 def importance_weights(logp_seq, old_seq, clip):
     """w_i = clip(π_θ(y_i)/μ(y_i), max `clip`) on whole sequences, detached: it rescales the gradient
-    of a rollout the snapshot μ sampled, it is not itself optimized. (b,), (b,) -> (b,)"""
-    return (logp_seq - old_seq).detach().exp().clamp(max=clip)
+    of a rollout the snapshot μ sampled, it is not itself optimized. (b,), (b,) -> clipped w, raw w (b,)"""
+    raw = (logp_seq - old_seq).detach().exp()
+    return raw.clamp(max=clip), raw
 
 
-def k3_kl(logp, other_logp):
-    """Schulman's k3 estimate of KL(π_θ ‖ other) per token sampled from π_θ (001 §3.1.4):
-    r − 1 − log r with r = other/π_θ. Never negative, 0 where the two agree. (b, T-1) -> (b, T-1)"""
+def k3_kl(logp, other_logp, sample_logp=None):
+    """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative.
+    On tokens from π_θ its value estimates KL(π_θ ‖ other), but as a loss its gradient is KL(other ‖ π_θ)'s.
+    With `sample_logp`, the log-probs of the policy μ that drew the tokens, k3 is multiplied by the
+    differentiable ratio π_θ/μ (TRL's use_bias_correction_kl): over μ's tokens its expectation is then
+    KL(π_θ ‖ other) and its gradient that KL's, exactly (tests/test_rl.py checks both on a categorical)."""
     log_r = other_logp - logp
-    return log_r.exp() - 1 - log_r
+    k3 = log_r.exp() - 1 - log_r
+    return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
 def rloo_loss(logp, old_logp, entropy, mask, adv, args):
@@ -95,12 +102,13 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, args):
     entropy, mask: (b, T-1); adv: (b,). The caller sums and divides by B·G: −(1/G) Σ_i, mean over prompts."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
     logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)               # (b,) log π(y_i|x)
-    w = importance_weights(logp_seq, old_seq, args.is_clip)
+    w, w_raw = importance_weights(logp_seq, old_seq, args.is_clip)
     pg = -w * adv * logp_seq                                                           # (b,) Eq. 3
     ent = (entropy * mask).sum(-1) / n_tok                                             # (b,) mean token entropy
-    kl = (k3_kl(logp, old_logp) * mask).sum(-1) / n_tok                                # (b,)
+    kl_tok = k3_kl(logp, old_logp, old_logp if args.kl_ratio else None)                # (b, T-1) KL(π_θ‖μ)
+    kl = (kl_tok * mask).sum(-1) / n_tok                                               # (b,)
     loss = pg - args.entropy_coef * ent + args.kl_coef * kl
-    return loss, {"entropy": entropy.detach(), "kl": k3_kl(logp, old_logp).detach(), "is_weight": w}
+    return loss, {"entropy": entropy.detach(), "kl": kl_tok.detach(), "is_weight": w, "is_weight_raw": w_raw}
 
 
 def main(argv=None):
@@ -138,23 +146,24 @@ def main(argv=None):
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- forward / backward per micro-batch of rollouts ----
         by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
-        sums = {k: 0.0 for k in ("loss", "entropy", "kl", "is_weight")}
+        sums = {k: 0.0 for k in ("loss", "entropy", "kl", "is_weight", "is_weight_raw")}
         gap, w_max, n_tok = 0.0, 0.0, sum(map(len, ro.completion_ids))
         for s in range(0, B * G, args.micro_batch):
             rows = by_len[s:s + args.micro_batch]
             ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
             with autocast(device, model):
-                st = token_stats(model, ids, attn, mask, entropy=True)
+                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)  # of logits / T
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device), args)
             loss = loss.sum() / (B * G)                                                # −(1/G) Σ_i, mean over prompts
             loss.backward()
             sums["loss"] += loss.item()
-            sums["is_weight"] += parts["is_weight"].sum().item() / (B * G)
+            for k in ("is_weight", "is_weight_raw"):  # means over rollouts: clipped, and as paper 000 watches it
+                sums[k] += parts[k].sum().item() / (B * G)
             for k in ("entropy", "kl"):
                 sums[k] += (parts[k] * m).sum().item() / n_tok  # token means over the batch
             gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
-            w_max = max(w_max, parts["is_weight"].max().item())
+            w_max = max(w_max, parts["is_weight_raw"].max().item())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if step_is_finite(step, sums["loss"], grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
             opt.step()
@@ -169,7 +178,7 @@ def main(argv=None):
                         "train/zero_adv_groups": (group_std == 0).float().mean(),
                         "train/resp_len": n_tok / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
-                        "train/is_weight_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
+                        "train/is_weight_raw_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
                         "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):

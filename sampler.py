@@ -24,7 +24,8 @@ class Rollouts:
     """n completions per prompt, flattened prompt-major: row i belongs to prompt i // n."""
     prompt_ids: list        # per prompt: token ids
     completion_ids: list    # per row: token ids, EOS included when the completion finished
-    logprobs: list          # per row: the sampler's raw (T = 1, unfiltered) log-prob of each token
+    logprobs: list          # per row: log-prob of each token under softmax(logits / T), the distribution
+                            # that sampled it (T = 0: raw); top-k / top-p not applied (RL uses neither)
     texts: list             # per row: decoded completion without EOS
     finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
 
@@ -107,7 +108,8 @@ class HFSampler:
                 tok = _sample(_filter_logits(logits, temperature, top_k, top_p), gen)
             rows_t = live[active]
             toks[rows_t, t] = tok[active]
-            lps[rows_t, t] = torch.log_softmax(logits[active].float(), -1).gather(-1, tok[active, None])[:, 0]  # raw, T = 1
+            tempered = logits[active].float() / (temperature or 1.0)  # the trainer's token_stats(temperature=T)
+            lps[rows_t, t] = torch.log_softmax(tempered, -1).gather(-1, tok[active, None])[:, 0]
             lengths[rows_t] += 1
             active = active & (tok != eos)
             if not active.any():
@@ -133,8 +135,10 @@ class VLLMSampler:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: weights reachable
         from vllm import LLM
         self.tok = tokenizer
+        # processed_logprobs: log-probs after the temperature (before top-k/top-p), like HFSampler's; the
+        # default raw mode ignores the temperature, so ρ ≠ 1 at T ≠ 1 (TRL issue 4159; vLLM >= 0.10.2).
         self.llm = LLM(model=model_dir, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                       dtype="bfloat16", max_model_len=max_model_len, seed=seed)
+                       dtype="bfloat16", max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs")
 
     def sync(self, model):
         """Copy the trainer's current weights into the engine (the vLLM 0.10 in-process path TRL uses)."""
@@ -151,7 +155,7 @@ class VLLMSampler:
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
         from vllm import SamplingParams
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                                max_tokens=max_new_tokens, seed=seed, logprobs=0)  # raw logprobs by default
+                                max_tokens=max_new_tokens, seed=seed, logprobs=0)
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         comps = [c for o in outs for c in o.outputs]
         return Rollouts([list(o.prompt_token_ids) for o in outs], [list(c.token_ids) for c in comps],

@@ -180,6 +180,22 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
     assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_sampler_logprobs_are_of_the_sampling_distribution(tiny, temperature):
+    """Rollouts drawn at T carry log softmax(logits / T), what token_stats(temperature=T) gives the
+    trainer: ρ = π_θ/μ is 1 on the first pass at any T, and the update trains the policy that sampled."""
+    model, tok = tiny
+    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7], 99, "compact")]
+    ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=temperature, max_new_tokens=20, seed=0)
+    ids, attn, mask, sampler_lp = S.rollout_batch(ro, list(range(6)), tok.pad_token_id)
+    m = mask[:, 1:].bool()
+    with torch.no_grad():
+        tempered = C.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
+        raw = C.token_stats(model, ids, attn, mask)["logp"]
+    assert (tempered - sampler_lp)[m].abs().max() < 1e-4                      # ρ = 1 to fp32 precision
+    assert (raw - sampler_lp)[m].abs().mean() > 1e-2                          # and not the T = 1 log-probs
+
+
 def test_rollout_batch_aligns_rows_with_their_prompts():
     ro = S.Rollouts([[1, 2], [3]], [[5], [6, 7], [8, 9, 10], [11]], [[-.5], [-.6, -.7], [-.8, -.9, -1.0], [-1.1]],
                     ["a", "b", "c", "d"], [True] * 4)

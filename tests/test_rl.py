@@ -42,8 +42,9 @@ def test_grpo_advantages_group_normalized_by_hand():
 
 def test_importance_weights_are_clipped_and_detached():
     logp = torch.tensor([0.0, 5.0, -1.0], requires_grad=True)
-    w = rloo.importance_weights(logp, torch.zeros(3), clip=10.0)
+    w, raw = rloo.importance_weights(logp, torch.zeros(3), clip=10.0)
     assert torch.allclose(w, torch.tensor([1.0, 10.0, math.exp(-1)])) and not w.requires_grad
+    assert torch.allclose(raw, torch.tensor([1.0, math.exp(5), math.exp(-1)])) and not raw.requires_grad
 
 
 @pytest.mark.parametrize("k3", [rloo.k3_kl, grpo.k3_kl])
@@ -74,8 +75,9 @@ def test_ppo_clip_by_hand():
     assert grad[0, 0] == 0 and (grad[0, 1:] != 0).all()                         # the clipped token: no gradient
 
 
-def test_grpo_kl_term_uses_beta():
-    args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.5)
+@pytest.mark.parametrize("kl_ratio", [False, True])
+def test_grpo_kl_term_uses_beta(kl_ratio):
+    args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.5, kl_ratio=kl_ratio)  # ρ = 1: the forms agree
     logp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
     loss, parts = grpo.grpo_loss(logp, logp, ref, torch.tensor([0.0]), args)
     k3 = 0.5 - 1 - math.log(0.5)                                                 # r = 0.25/0.5
@@ -92,8 +94,9 @@ def test_loss_aggregation_modes_by_hand_and_over_micro_batches():
         assert abs(whole.item() - value) < 1e-6 and abs(split.item() - value) < 1e-6, mode
 
 
-def test_rloo_loss_by_hand():
-    args = SimpleNamespace(is_clip=10.0, entropy_coef=0.1, kl_coef=1.0)
+@pytest.mark.parametrize("kl_ratio", [False, True])
+def test_rloo_loss_by_hand(kl_ratio):
+    args = SimpleNamespace(is_clip=10.0, entropy_coef=0.1, kl_coef=1.0, kl_ratio=kl_ratio)
     logp = torch.tensor([[-1.0, -2.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     entropy = torch.tensor([[1.0, 3.0, 7.0]])
@@ -103,7 +106,70 @@ def test_rloo_loss_by_hand():
     old = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0]])                        # μ gave token 2 twice π's prob
     loss2, parts = rloo.rloo_loss(logp, old, entropy, mask, torch.tensor([0.5]), args)
     assert abs(parts["is_weight"].item() - 0.5) < 1e-6
-    assert abs(loss2.item() - (-0.5 * 0.5 * -3.0 - 0.2 + (1 - math.log(2)) / 2)) < 1e-6
+    k3 = (1 - math.log(2)) * (0.5 if kl_ratio else 1.0)                          # r = μ/π = 2; times π/μ = 1/2
+    assert abs(loss2.item() - (-0.5 * 0.5 * -3.0 - 0.2 + k3 / 2)) < 1e-6
+
+
+def test_rloo_logs_the_importance_weight_before_its_clip():
+    """Paper 000 (App. B) watches the IS-weight mean reach ~12.4 under a clip of 10: only the raw w can."""
+    args = SimpleNamespace(is_clip=10.0, entropy_coef=0.0, kl_coef=0.0, kl_ratio=True)
+    logp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
+    old = logp - torch.tensor([[5.0, 0.0], [0.0, 0.0]])                          # row 0: π/μ = e^5 ≈ 148
+    _, parts = rloo.rloo_loss(logp, old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, -1.0]), args)
+    assert parts["is_weight"].tolist() == [10.0, 1.0]
+    assert torch.allclose(parts["is_weight_raw"], torch.tensor([math.exp(5), 1.0]))
+
+
+def exact_kl_grads(logits, other_logp):
+    """∇ KL(π ‖ other) and ∇ KL(other ‖ π) with respect to the logits of a categorical π, by autograd
+    of the exact sums over the vocabulary."""
+    grads = []
+    for forward in (False, True):
+        z = logits.detach().clone().requires_grad_(True)
+        p = z.log_softmax(-1)
+        kl = (other_logp.exp() * (other_logp - p)).sum() if forward else (p.exp() * (p - other_logp)).sum()
+        kl.backward()
+        grads.append(z.grad)
+    return grads  # reverse, forward
+
+
+@pytest.mark.parametrize("module", [rloo, grpo])
+def test_k3_gradients_are_the_kl_their_docstrings_name(module):
+    """On an exact categorical (every token weighted by the probability that it is drawn): plain k3's
+    expected gradient is KL(other ‖ π_θ)'s, and k3 times π_θ/μ has KL(π_θ ‖ other)'s, for tokens drawn
+    from μ = π_θ (GRPO's first pass) and from a lagging μ (rloo's snapshot) alike."""
+    torch.manual_seed(0)
+    z = torch.randn(7, dtype=torch.float64)                                      # π_θ = softmax(z)
+    ref = torch.randn(7, dtype=torch.float64).log_softmax(-1)
+    reverse, forward = exact_kl_grads(z, ref)
+
+    def expected_grad(ratio, mu):  # Σ_y μ(y) ∇ loss(y): the gradient a batch of μ's tokens averages to
+        zz = z.clone().requires_grad_(True)
+        per_token = module.k3_kl(zz.log_softmax(-1), ref, mu if ratio else None)  # (V,) each entry "sampled"
+        (mu.exp() * per_token).sum().backward()
+        return zz.grad
+
+    on_policy = z.log_softmax(-1)
+    assert torch.allclose(expected_grad(False, on_policy), forward)              # DeepSeekMath's k3
+    assert torch.allclose(expected_grad(True, on_policy), reverse)               # --kl_ratio (default)
+    assert not torch.allclose(forward, reverse, atol=1e-3)                       # the two really differ here
+    lagging = torch.randn(7, dtype=torch.float64).log_softmax(-1)
+    assert torch.allclose(expected_grad(True, lagging), reverse)                 # exact for any sampler
+    assert not torch.allclose(expected_grad(False, lagging), forward, atol=1e-3)
+    assert not torch.allclose(expected_grad(False, lagging), reverse, atol=1e-3)  # plain k3: neither KL
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+@pytest.mark.parametrize("module,ratio", [(rloo, "is_weight_raw"), (grpo, "ratio")])
+def test_ratio_is_one_on_the_first_pass_at_any_temperature(module, ratio, temperature, tiny_ckpt, tmp_path,
+                                                           monkeypatch):
+    """Sampler and trainer both score logits / T, so nothing is off-policy before the first update."""
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")  # fp32 training forwards: agreement to float precision
+    module.main(["--init", tiny_ckpt, *FAST, "--temperature", str(temperature), "--output_dir", str(tmp_path)])
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")][1:]
+    for row in rows:
+        assert abs(row[f"train/{ratio}"] - 1) < 1e-4 and abs(row[f"train/{ratio}_max"] - 1) < 1e-3, row
+        assert row["train/sampler_gap"] < 1e-5, row
 
 
 def test_score_rollouts_sparse_and_dense():
@@ -135,8 +201,10 @@ def test_two_steps_in_a_subprocess(script, tiny_ckpt, tmp_path):
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/pass@1" in rows[0] and "eval/pass@2" in rows[-1]
     keys = {"train/loss", "train/reward", "train/accuracy", "train/reward_std", "train/adv_std", "train/zero_adv_groups",
-            "train/resp_len", "train/entropy", "train/kl", "train/is_weight", "train/is_weight_max",
-            "train/sampler_gap", "train/grad_norm", "time/sample", "time/update"}
+            "train/resp_len", "train/entropy", "train/kl", "train/sampler_gap", "train/grad_norm", "time/sample",
+            "time/update"}
+    keys |= {"train/ratio", "train/ratio_max"} if script == "grpo.py" else \
+        {"train/is_weight", "train/is_weight_raw", "train/is_weight_raw_max"}
     assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())
     assert rows[-1]["train/sampler_gap"] < 1e-3    # the HF sampler is the policy: its log-probs must agree
     assert {"config.json", "model.safetensors", "tokenizer.json", "args.json"} <= set(os.listdir(tmp_path))
@@ -200,7 +268,8 @@ def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     tasks = C.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"nums": t["nums"], "target": t["target"]}) + "\n" for t in tasks))
-    module.main(["--init", sft_model, "--data", str(data), "--eval_data", GEN, "--template", "compact", "--eval_problems", "4",
+    pipeline = ["--temperature", "1.0", "--beta", "0.04"] if module is grpo else []  # what the check was measured with
+    module.main(["--init", sft_model, *pipeline, "--data", str(data), "--eval_data", GEN, "--template", "compact", "--eval_problems", "4",
                  "--eval_samples", "2", "--eval_max_new_tokens", "8", "--batch_size", "32", "--group_size", "8",
                  "--micro_batch", "128", "--max_response_len", "160", "--max_steps", "20", "--lr", "1e-4",
                  "--output_dir", str(tmp_path / "rl")])
