@@ -2,24 +2,23 @@
 
     r_SS = avg_t log π_s(s_t | q, e) + α · min_t log π_s(s_t | q, e)                                  (Eq. 3)
     r_KL = avg_t KL(π_θ(·| q, s, e_<t) ‖ π_s(·| q, e_<t)) + α · max_t KL(...)   over explanation tokens (Eq. 4)
-    r = r_SS − λ r_KL  (λ 3, α 0.01; −1 without </think> or when truncated)    A = GRPO's Eq. 2 on r   (Eq. 5-6)
+    r = r_SS − λ r_KL (+ −1 if e never closes </think>)  (λ 3, α 0.01, §A.1)   A = GRPO's Eq. 2 on r   (Eq. 5-6)
 
 The teacher sees the question *and* the solver's equation and writes the explanation e; the reward asks
 the frozen student two things: does e make the solution likely (r_SS), and is every step of e a likely
 step from the student's side, without the solution in view (r_KL)? A dense reward: no exploration wall.
+The format penalty is *added*: a penalized explanation is still scored, so dropping </think> never pays.
 Departures from the paper:
   1. Prompt formats (004 Fig. 6-7) are the Countdown ones: the teacher's assistant turn opens with
      `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e, `</think>\\n<answer>s</answer>`.
-  2. r_SS scores the expression and `</answer>`; the explanation is retokenized from its text.
-  3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass, k3 KL to a synced reference.
+  2. r_SS scores the expression and `</answer>`; the explanation is retokenized from its text. One that never
+     closes </think> (cut at --max_response_len, or ended without it) is scored as all of its text.
+  3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass, KL to a synced reference,
+     log-probs of the sampling distribution (logits / T, T = 0.7) on both sides of ρ.
   4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8 (README, "RLT").
 
 Real (1×H100):  python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
-CPU (embedded; measured in the README):
-  python rlt.py --init out/cpu/sft --student out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 \
-      --eval_data gen:nums=3,range=1-20,test=200,val=100 --template compact --eval_problems 100 --lr 1e-4 --batch_size 16 \
-      --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
-      --export out/cpu/rlt/traces.jsonl
+CPU (embedded): the `rlt` stage of run_cpu.sh, which prints its exact command.
 """
 import copy
 import json
@@ -52,7 +51,7 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 3)")
     grad_clip: float = arg(1.0, "global grad-norm clip")
     max_prompt_len: int = arg(512, "prompts longer than this are an error")
-    max_response_len: int = arg(1024, "explanation budget in new tokens; longer ones get the −1 penalty")
+    max_response_len: int = arg(1024, "explanation budget in new tokens; one cut before </think> gets --penalty")
     eval_every: int = arg(25, "steps between held-out evaluations (0: only at start and end)")
     eval_problems: int = arg(200, "held-out problems per evaluation")
     eval_samples: int = arg(4, "explanations per held-out problem")
@@ -66,15 +65,16 @@ class Args:
     # on-policy RL, shared by rloo/grpo/opd/rlt (no --reward: the reward is the RLT one)
     max_steps: int = arg(125, "rollout batches, one optimizer step each (004 Table 3; 0: only --export)")
     group_size: int = arg(64, "G explanations per prompt (004: 64)")
-    temperature: float = arg(0.7, "sampling temperature for training and export (004 Tables 3-4)")
+    temperature: float = arg(0.7, "sampling temperature; log-probs are of logits / T (004 Table 3: 0.7)")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # RLT specific
     student: str = arg("out/sft", "the frozen student whose log-probs make the reward; shares the tokenizer")
     lam: float = arg(3.0, "λ, weight of r_KL (004: 3)")
     alpha: float = arg(0.01, "α, weight of the min / max terms in r_SS / r_KL (004: 0.01)")
-    penalty: float = arg(-1.0, "reward of an explanation without </think> or cut at --max_response_len (004: −1)")
-    beta: float = arg(0.04, "β, weight of the k3 KL to the reference teacher (004 Table 3)")
-    epsilon: float = arg(0.2, "PPO clip ε")
+    penalty: float = arg(-1.0, "added to the reward of an explanation that never closes </think> (004 §A.1, Table 3: −1)")
+    beta: float = arg(0.04, "β, weight of the KL to the reference teacher (004 Table 3)")
+    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: DeepSeekMath's k3, KL(π_ref‖π_θ)'s)")
+    epsilon: float = arg(0.2, "PPO clip ε (DeepSeekMath and TRL: 0.2)")
     ref_sync_every: int = arg(32, "every N steps π_ref ← mix · π_θ + (1 − mix) · π_ref (004: 32; 0: never)")
     ref_sync_mix: float = arg(0.9, "the mixup of a reference sync (004: 0.9)")
     export: str = arg("", "after training, write student-format traces (query/completion JSONL) for sft.py --data")
@@ -98,10 +98,11 @@ def student_completion(explanation, solution):
     return f"{explanation}</think>\n<answer>{solution}</answer>"
 
 
-def explanation_of(text, finished):
-    """The think tokens of a teacher completion: the text before </think>; None (penalized) if the tag is
-    missing or the completion was cut off."""
-    return text.split("</think>")[0] if finished and "</think>" in text else None
+def explanation_of(text):
+    """(explanation, penalized) of a teacher completion: the text before </think>, and whether the tag is
+    missing (004 §A.1: the explanation ran past the budget, or ended untagged). What follows a closed
+    </think> does not count: a completion cut there still has a whole explanation."""
+    return text.split("</think>")[0], "</think>" not in text
 
 
 # ---- the reward (004 Eq. 3-5) ----------------------------------------------------------------------
@@ -116,17 +117,15 @@ def rlt_reward(logp, kl, sol_mask, expl_mask, alpha, lam):
 
 
 @torch.no_grad()
-def score_explanations(teacher, student, tok, tasks, sols, explanations, args, device):
-    """r, r_SS, r_KL (N,) for N explanations (None = penalized). Each row is run twice, aligned token for
-    token: the student reads q + e + s, the teacher q + s + e (its own format). The student's copy is
-    left-padded so both prompts end at the same position (RoPE sees only relative positions)."""
+def score_explanations(teacher, student, tok, tasks, sols, explanations, penalized, args, device):
+    """r, r_SS, r_KL (N,) for N explanations; r gets --penalty added where `penalized`. Each row is run twice,
+    aligned token for token: the student reads q + e + s, the teacher q + s + e (its own format). The
+    student's copy is left-padded so both prompts end at the same position (RoPE sees only relative positions)."""
     N = len(tasks)
-    out = torch.full((3, N), float("nan"))
-    out[0] = args.penalty
-    ok = [i for i in range(N) if explanations[i] is not None]
+    out = torch.zeros(3, N)
     enc = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    for s in range(0, len(ok), args.micro_batch):
-        rows = ok[s:s + args.micro_batch]
+    for s in range(0, N, args.micro_batch):
+        rows = list(range(s, min(s + args.micro_batch, N)))
         P_t = enc([teacher_prompt(tasks[i], sols[i], args.template) for i in rows])
         P_s = enc([student_prompt(tasks[i], args.template) for i in rows])
         E = enc([explanations[i] for i in rows])
@@ -149,7 +148,7 @@ def score_explanations(teacher, student, tok, tasks, sols, explanations, args, d
         r, r_ss, r_kl = rlt_reward(st["logp"], st["kl"], sol_mask[:, 1:].to(device).float(),
                                    expl_mask[:, 1:].to(device).float(), args.alpha, args.lam)
         out[:, rows] = torch.stack([r, r_ss, r_kl]).float().cpu()
-    return out[0], out[1], out[2]
+    return out[0] + args.penalty * torch.tensor(penalized, dtype=torch.float32), out[1], out[2]  # 004 §A.1: added
 
 
 # ---- the GRPO update, with 004's choices -----------------------------------------------------------
@@ -159,13 +158,15 @@ def grpo_advantages(reward, eps=1e-4):
 
 
 def rlt_loss(logp, old_logp, ref_logp, mask, adv, args):
-    """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β k3(π_θ ‖ π_ref), averaged over each
-    rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None), mask: (b, T-1); adv: (b,)."""
+    """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β D_KL(π_θ ‖ π_ref), averaged over each
+    rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None), mask: (b, T-1); adv: (b,).
+    D_KL is k3 (r = π_ref/π_θ), times ρ with --kl_ratio so that its gradient is KL(π_θ ‖ π_ref)'s (grpo.py)."""
     ratio = (logp - old_logp).exp()                                                    # (b, T-1)
     A = adv[:, None]
     surrogate = torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon) * A)
     log_r = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
     kl = log_r.exp() - 1 - log_r                                                       # (b, T-1) k3
+    kl = ratio * kl if args.kl_ratio else kl
     per_token = -surrogate + args.beta * kl
     return (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1), {"kl": kl.detach()}
 
@@ -182,7 +183,7 @@ def solved(tasks, n=None):
 
 
 def explain(sampler, model, tok, tasks, sols, n, args, seed, max_new_tokens):
-    """n teacher completions per task; returns (Rollouts, explanations with None where penalized)."""
+    """n teacher completions per task; returns (Rollouts, explanations, penalized flags)."""
     prompts = [teacher_prompt(t, s, args.template) for t, s in zip(tasks, sols)]
     if max(map(len, tok(prompts, add_special_tokens=False)["input_ids"])) > args.max_prompt_len:
         raise CountdownError(f"a teacher prompt (question + solution) is longer than --max_prompt_len {args.max_prompt_len}")
@@ -190,17 +191,18 @@ def explain(sampler, model, tok, tasks, sols, n, args, seed, max_new_tokens):
     sampler.sync(model)
     ro = sampler.generate(prompts, n, args.temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()
-    return ro, [explanation_of(x, f) for x, f in zip(ro.texts, ro.finished)]
+    expl, penalized = zip(*map(explanation_of, ro.texts))
+    return ro, list(expl), list(penalized)
 
 
 def held_out(sampler, model, student, tok, tasks, sols, args, device):
     """eval/ metrics: the RLT reward of fresh explanations of held-out problems (004 §4.5's analysis)."""
-    ro, expl = explain(sampler, model, tok, tasks, sols, args.eval_samples, args, args.seed, args.eval_max_new_tokens)
+    ro, expl, pen = explain(sampler, model, tok, tasks, sols, args.eval_samples, args, args.seed,
+                            args.eval_max_new_tokens)
     rep = lambda xs: [x for x in xs for _ in range(args.eval_samples)]  # noqa: E731
-    r, r_ss, r_kl = score_explanations(model, student, tok, rep(tasks), rep(sols), expl, args, device)
-    good = torch.tensor([e is not None for e in expl])
-    return {"eval/reward": r.mean(), "eval/r_ss": r_ss[good].mean() if good.any() else float("nan"),
-            "eval/r_kl": r_kl[good].mean() if good.any() else float("nan"), "eval/penalized": 1 - good.float().mean()}
+    r, r_ss, r_kl = score_explanations(model, student, tok, rep(tasks), rep(sols), expl, pen, args, device)
+    return {"eval/reward": r.mean(), "eval/r_ss": r_ss.mean(), "eval/r_kl": r_kl.mean(),
+            "eval/penalized": sum(pen) / len(pen)}
 
 
 def export_traces(sampler, model, student, tok, tasks, sols, args, device):
@@ -210,11 +212,11 @@ def export_traces(sampler, model, student, tok, tasks, sols, args, device):
     with open(args.export + ".tmp", "w") as f:
         for s in range(0, len(tasks), 256):
             ts, ss = tasks[s:s + 256], sols[s:s + 256]
-            ro, expl = explain(sampler, model, tok, ts, ss, k, args, args.seed + 1 + s, args.max_response_len)
+            ro, expl, pen = explain(sampler, model, tok, ts, ss, k, args, args.seed + 1 + s, args.max_response_len)
             _, r_ss, _ = score_explanations(model, student, tok, [t for t in ts for _ in range(k)],
-                                            [x for x in ss for _ in range(k)], expl, args, device)
+                                            [x for x in ss for _ in range(k)], expl, pen, args, device)
             for j, (t, sol) in enumerate(zip(ts, ss)):
-                cands = [i for i in range(j * k, (j + 1) * k) if expl[i] is not None]
+                cands = [i for i in range(j * k, (j + 1) * k) if not pen[i]]
                 if cands:  # a problem whose every explanation was penalized is left out
                     best = max(cands, key=lambda i: r_ss[i].item())
                     f.write(json.dumps({"query": student_prompt(t, args.template), "nums": t["nums"], "target": t["target"],
@@ -264,15 +266,14 @@ def main(argv=None):
             take, order = order[:B - len(batch)], order[B - len(batch):]
             batch += solved([tasks[i] for i in take])
         sols = [s for _, s in batch for _ in range(G)]
-        ro, expl = explain(sampler, model, tok, [t for t, _ in batch], [s for _, s in batch], G, args,
-                           args.seed * 100_003 + step, args.max_response_len)
+        ro, expl, pen = explain(sampler, model, tok, [t for t, _ in batch], [s for _, s in batch], G, args,
+                                args.seed * 100_003 + step, args.max_response_len)
         t_sample = time.time() - t0
         # ---- score (the frozen student's view) and advantage ----
         reward, r_ss, r_kl = score_explanations(model, student, tok, [t for t, _ in batch for _ in range(G)], sols,
-                                                expl, args, device)                    # (B*G,) each
+                                                expl, pen, args, device)               # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
-        good = torch.tensor([e is not None for e in expl])
-        expl_tokens = sum(map(len, tok([e for e in expl if e is not None] or [""], add_special_tokens=False)["input_ids"]))
+        expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
         # ---- forward / backward per micro-batch of rollouts ----
         by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
         sums = {k: 0.0 for k in ("loss", "entropy", "kl")}
@@ -282,9 +283,9 @@ def main(argv=None):
             ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
-                st = token_stats(model, ids, attn, mask, entropy=True)
+                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)  # logits / T
                 with torch.no_grad():
-                    ref_logp = token_stats(ref, ids, attn, mask)["logp"] if ref is not None else None
+                    ref_logp = None if ref is None else token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
             loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device), args)
             loss = loss.sum() / (B * G)                                                # 1/G Σ_i, mean over prompts
             loss.backward()
@@ -304,10 +305,9 @@ def main(argv=None):
                     p_ref.mul_(1 - args.ref_sync_mix).add_(p, alpha=args.ref_sync_mix)
         # ---- log, evaluate, checkpoint ----
         metrics = {f"train/{k}": v for k, v in sums.items()}
-        metrics.update({"train/reward": reward.mean(), "train/r_ss": r_ss[good].mean() if good.any() else float("nan"),
-                        "train/r_kl": r_kl[good].mean() if good.any() else float("nan"),
-                        "train/penalized": 1 - good.float().mean(), "train/reward_std": reward.view(B, G).std(1).mean(),
-                        "train/resp_len": n_tok / (B * G), "train/expl_len": expl_tokens / max(int(good.sum()), 1),
+        metrics.update({"train/reward": reward.mean(), "train/r_ss": r_ss.mean(), "train/r_kl": r_kl.mean(),
+                        "train/penalized": sum(pen) / (B * G), "train/reward_std": reward.view(B, G).std(1).mean(),
+                        "train/resp_len": n_tok / (B * G), "train/expl_len": expl_tokens / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/sampler_gap": gap / n_tok,
                         "train/lr": args.lr, "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})

@@ -54,8 +54,10 @@ stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --num_prompts
 # 4. RLOO from the SFT checkpoint (000 Eq. 3): 64 prompts x 8 rollouts per step, the paper's knobs
 stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --output_dir "$OUT/rloo"
 
-# 5. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model
-stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --output_dir "$OUT/grpo"
+# 5. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model.
+#    Rollouts at T 1.0 like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001)
+stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --temperature 1.0 --beta 0.04 \
+  --output_dir "$OUT/grpo"
 
 # 6. On-policy distillation from the teacher, hybrid with RLOO (000 Eq. 4, Algorithm 1): same geometry and steps
 stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" --output_dir "$OUT/opd"
@@ -67,10 +69,10 @@ stage opd_anticollapse python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" 
 # 8. RLT (004): the SFT model learns to explain given solutions to the frozen SFT student; then it writes
 #    traces for 2,000 training problems. With RLT_CONTROL=1 so does the untrained teacher (the same model, 0 steps)
 stage rlt python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
-  --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 --penalty -10 \
+  --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
   --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
 [[ -n $RLT_CONTROL ]] && stage rlt0 python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 64 \
-  --max_response_len 160 --max_steps 0 --penalty -10 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
+  --max_response_len 160 --max_steps 0 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
 
 # 9. Tiny students SFT'd from scratch with the same steps on the same number of problems: the trained
 #    teacher's traces, the solver's, and with RLT_CONTROL=1 the untrained teacher's (of the 2,000 exported,

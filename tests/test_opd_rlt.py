@@ -124,10 +124,11 @@ def test_rlt_reward_by_hand():
     assert torch.allclose(r, r_ss - 3.0 * r_kl)
 
 
-def test_explanation_needs_the_tag_and_a_finished_completion():
-    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n</think>\n<answer>3 + 4</answer>", True) == " 3 + 4 = 7. Found 7.\n"
-    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n", True) is None           # no </think>
-    assert rlt.explanation_of(" 3 + 4 = 7.</think>", False) is None              # cut at max tokens
+def test_explanation_is_penalized_only_without_the_closing_tag():
+    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n</think>\n<answer>3 + 4</answer>") == (" 3 + 4 = 7. Found 7.\n", False)
+    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n") == (" 3 + 4 = 7. Found 7.\n", True)   # never closed
+    # closed </think>, then cut at max tokens while it went on: the explanation itself is whole
+    assert rlt.explanation_of(" 3 + 4 = 7.</think>\n<answer>3 + 4</answ") == (" 3 + 4 = 7.", False)
 
 
 def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
@@ -137,11 +138,11 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
     args = SimpleNamespace(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)
     tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}, {"nums": [1, 2, 3], "target": 6}]
     sols = ["(3 + 4) * 5", "2 * 9 + 7", "1 + 2 + 3"]
-    expl = [" 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n", None, ""]
-    r, r_ss, r_kl = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, args, "cpu")
-    assert r[1] == -1.0
+    expl = [" 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n", " 2 * 9 = 18, left 7", ""]
+    pen = [False, True, False]                                                   # row 1 never closed </think>
+    r, r_ss, r_kl = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, pen, args, "cpu")
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    for i in (0, 2):
+    for i in (0, 1, 2):
         ps, pt = enc(rlt.student_prompt(tasks[i], "compact")), enc(rlt.teacher_prompt(tasks[i], sols[i], "compact"))
         e, tail, s = enc(expl[i]), enc("</think>\n<answer>"), enc(sols[i] + "</answer>")
         with torch.no_grad():
@@ -153,7 +154,9 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
                                                             - ls[len(ps) - 1:len(ps) + len(e) - 1])).sum(-1)
         want_kl = kl.mean() + 0.01 * kl.max() if len(e) else torch.tensor(0.0)
         assert abs(r_ss[i] - want_ss) < 1e-4 and abs(r_kl[i] - want_kl) < 1e-4, i
-        assert abs(r[i] - (want_ss - 3 * want_kl)) < 1e-3
+        assert abs(r[i] - (want_ss - 3 * want_kl - int(pen[i]))) < 1e-3              # 004 §A.1: the −1 is added
+    unpenalized, _, _ = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, [False] * 3, args, "cpu")
+    assert torch.allclose(r, unpenalized - torch.tensor([0.0, 1.0, 0.0]))       # so being penalized never pays
 
 
 def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
@@ -161,7 +164,7 @@ def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
     tp = rlt.teacher_prompt(task, sol, "compact")
     assert tp.endswith(f"<answer>{sol}</answer>\n<think>") and "[3, 4, 5]" in tp and "35" in tp
     teacher_out = " 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>(3 + 4) * 5</answer>"
-    completion = rlt.student_completion(rlt.explanation_of(teacher_out, True), sol)
+    completion = rlt.student_completion(rlt.explanation_of(teacher_out)[0], sol)
     assert completion == teacher_out and score(completion, task["nums"], task["target"]) == 1.0
     path = tmp_path / "traces.jsonl"
     path.write_text(json.dumps({"query": rlt.student_prompt(task, "compact"), "completion": completion}) + "\n")
@@ -171,15 +174,16 @@ def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
 
 def test_opd_two_steps_in_a_subprocess(ckpts, tmp_path):
     r = subprocess.run([sys.executable, "opd.py", "--init", ckpts["student"], "--teacher", ckpts["teacher"], *FAST,
-                        "--kd_temperature", "1.3", "--entropy_coef", "1e-2", "--output_dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True)
+                        "--kd_temperature", "1.3", "--entropy_coef", "1e-2", "--temperature", "0.7", "--output_dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "COUNTDOWN_CPU_BF16": "0"})
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/pass@1" in rows[-1]
     keys = {"train/loss", "train/kl", "train/pg", "train/entropy", "train/reward", "train/is_weight",
-            "train/is_weight_max", "train/sampler_gap", "time/sample", "time/update"}
+            "train/is_weight_raw", "train/is_weight_raw_max", "train/sampler_gap", "time/sample", "time/update"}
     assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())
-    assert rows[-1]["train/kl"] > 0 and rows[-1]["train/sampler_gap"] < 1e-3
+    assert rows[-1]["train/kl"] > 0 and rows[-1]["train/sampler_gap"] < 1e-5  # rollouts at T 0.7: logits / 0.7 both sides
+    assert abs(rows[-1]["train/is_weight_raw"] - 1) < 1e-4 and abs(rows[-1]["train/is_weight_raw_max"] - 1) < 1e-3
     assert os.path.isfile(tmp_path / "config.json")
 
 
@@ -187,13 +191,15 @@ def test_rlt_two_steps_export_then_sft_on_the_traces(ckpts, tmp_path):
     traces = tmp_path / "traces.jsonl"
     r = subprocess.run([sys.executable, "rlt.py", "--init", ckpts["student"], "--student", ckpts["teacher"], *FAST,
                         "--export", str(traces), "--export_problems", "5", "--export_best_of", "2",
-                        "--max_response_len", "40", "--output_dir", str(tmp_path / "rlt")], cwd=ROOT, capture_output=True, text=True)
+                        "--max_response_len", "40", "--output_dir", str(tmp_path / "rlt")], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "COUNTDOWN_CPU_BF16": "0"})  # fp32 forwards: the sampler gap to float precision
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in open(tmp_path / "rlt" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/r_ss" in rows[-1]
     assert {"train/reward", "train/r_ss", "train/r_kl", "train/penalized", "train/expl_len"} <= set(rows[-1])
-    # An untrained teacher rarely closes </think> in 40 tokens, so most rows are penalized: −1 exactly.
+    # An untrained teacher rarely closes </think> in 40 tokens: most rows get the −1 on top of r_SS − λ r_KL ≤ 0.
     assert rows[-1]["train/reward"] <= 0 and 0 <= rows[-1]["train/penalized"] <= 1
+    assert rows[-1]["train/sampler_gap"] < 1e-5  # sampled at T 0.7, both sides scored at logits / 0.7
     assert traces.exists()  # (an untrained teacher's lines: test_export_keeps_the_best_explanation checks content)
     traces.write_text(json.dumps({"query": C.make_prompt([1, 2, 3], 6, "compact"),
                                   "completion": rlt.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
@@ -224,15 +230,15 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}]
     sols = ["(3 + 4) * 5", "2 * 9 + 7"]
     texts = [" 3 + 4 = 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>x</answer>", " no.\n</think>",  # task 1: two tries
-             " 2 * 9 = 18.</think>", " 2 * 9 = 18, left 7 18."]                                     # task 2: cut, untagged
+             " 2 * 9 = 18", " 2 * 9 = 18, left 7 18."]                                              # task 2: cut, untagged
     args = SimpleNamespace(template="compact", micro_batch=4, alpha=0.01, lam=3.0, penalty=-1.0, temperature=1.0,
                            max_prompt_len=512, seed=0, max_response_len=40, export_best_of=2, export=str(tmp_path / "x.jsonl"))
     sampler = ScriptedSampler(tok, texts, [True, True, False, True])
     rlt.export_traces(sampler, teacher, student, tok, tasks, sols, args, "cpu")
     lines = [json.loads(x) for x in open(args.export)]
     assert len(lines) == 1 and lines[0]["nums"] == [3, 4, 5]                     # task 2: both penalized, left out
-    expl = [rlt.explanation_of(t, True) for t in texts[:2]]
-    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, args, "cpu")
+    expl = [rlt.explanation_of(t)[0] for t in texts[:2]]
+    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2, args, "cpu")
     best = expl[int(r_ss.argmax())]
     assert lines[0]["completion"] == rlt.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
     assert lines[0]["query"] == C.make_prompt([3, 4, 5], 35, "compact")
