@@ -12,10 +12,7 @@ Departures from the paper:
   2. `--length_norm` (paper 001) averages instead of sums the log-probs; off by default as in 000.
 
 Real (1×H100):  python ipo.py --init out/sft --output_dir out/ipo
-CPU (embedded, ~1 minute on 2 cores; what run_cpu.sh runs):
-  python ipo.py --init out/cpu/sft --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
-      --template compact --eval_problems 100 --eval_max_new_tokens 160 --lr 1e-4 --num_prompts 1024 \
-      --max_new_tokens 160 --batch_size 64 --micro_batch 32 --epochs 2 --output_dir out/cpu/ipo
+CPU (embedded): the `ipo` stage of run_cpu.sh, which prints its exact command.
 """
 import copy
 import math

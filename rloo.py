@@ -7,7 +7,7 @@ The other G−1 rollouts of the same prompt are the baseline: no critic, and a g
 or never solves gives A = 0 (paper 001's "flatline"; `--reward dense` gives near misses partial credit).
 log π_θ and log μ are both of the distribution that sampled, softmax(logits / T) (as TRL does), so at
 T ≠ 1 the update trains the policy that drew the rollouts. `train/is_weight_raw` is w before its clip:
-the number paper 000 (App. B) watches drift to ~12.4.
+the number paper 000 (App. B) watches drift to ~12.4 in its anti-collapse run.
 Departures from the paper:
   1. The paper names no estimator or direction for the KL to the sampler μ. We use k3 (001 §3.1.4) times
      the differentiable ratio π_θ/μ: on μ's tokens its gradient is exactly KL(π_θ‖μ)'s (--no-kl_ratio:

@@ -11,10 +11,7 @@ Departures from the paper:
 
 Real (1×H100, the paper's recipe = the defaults):
   python sft.py --output_dir out/sft
-CPU (embedded, ~4.5 minutes on 2 cores with its three evaluations; what run_cpu.sh runs):
-  python sft.py --model tiny --data gen:nums=3,range=1-20,test=200,val=100 --eval_data gen:nums=3,range=1-20,test=200,val=100 \
-      --template compact --eval_problems 100 --eval_max_new_tokens 160 --dead_ends 1 --lr 2e-3 --batch_size 64 \
-      --micro_batch 32 --max_steps 1200 --eval_every 400 --output_dir out/cpu/sft
+CPU (embedded): the `sft`, `teacher` and student stages of run_cpu.sh, which prints their exact commands.
 """
 import math
 import os
