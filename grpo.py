@@ -47,7 +47,7 @@ class Args:
     batch_size: int = arg(16, "prompts per step; each gets --group_size rollouts (002 §5.1: 16 x 16; 004 Table 6: 4 x 64)")
     micro_batch: int = arg(16, "rollouts per forward/backward (bounds memory)")
     weight_decay: float = arg(0.0, "AdamW weight decay (002 gives none; 004 Table 6: 0)")
-    grad_clip: float = arg(1.0, "global grad-norm clip")
+    grad_clip: float = arg(1.0, "global grad-norm clip (004 Table 6)")
     max_prompt_len: int = arg(512, "prompts longer than this are an error")
     max_response_len: int = arg(1024, "rollout budget in new tokens (002 §4-5.1: 1024; shorter truncates good answers)")
     eval_every: int = arg(50, "steps between held-out evaluations (0: only at start and end)")
