@@ -220,7 +220,7 @@ def build_tiny_tokenizer(vocab_size=384):
     rng, corpus = random.Random(0), []
     for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25), target_range=(1, 200))["x"]:
         for template in TEMPLATES:
-            corpus.append(make_prompt(task["nums"], task["target"], template) + verifier.make_trace(task["nums"], task["target"], rng, 2))
+            corpus.append(make_prompt(task["nums"], task["target"], template) + verifier.make_trace(task["nums"], task["target"], rng, 2.0))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?[0-9]"), "isolated"),  # " 12" -> " 1", "2"
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])

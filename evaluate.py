@@ -14,16 +14,17 @@ OUT/summary.json and OUT/samples.jsonl (DESIGN.md contract).
 """
 import json
 import os
+import re
 from dataclasses import dataclass
 from fractions import Fraction
-from math import comb
+from math import comb, nan
 
 import torch
 
 from common import CountdownError, arg, autocast, cli, device_and_dtype, load_model, load_tasks, \
     make_prompt, parse_args, read_jsonl, seed_everything
 from sampler import HFSampler, VLLMSampler
-from verifier import score
+from verifier import _OPS, score
 
 
 @dataclass
@@ -65,6 +66,24 @@ def _ks(n):
     return sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= n} | {n})
 
 
+_STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")  # a step as the traces write it: a op b = v
+_CLAIM = re.compile(r"= (\d+)\. Target \d+, found\.")  # a try's last written value, then its verdict
+
+
+def arithmetic(completions, targets):
+    """Does a model fail by search, by arithmetic or by checking? The share of written steps `a op b = v`
+    whose v is wrong (by operator too), and of `found` verdicts after a try whose last written value is not
+    the target (a wrong step that happens to give it is the step's error, not the claim's)."""
+    def wrong(a, op, b, v):
+        return op == "/" and b == "0" or _OPS[op](Fraction(int(a)), int(b)) != int(v)
+    steps = [m.groups() for c in completions for m in _STEP.finditer(c)]
+    claims = [int(m.group(1)) != t for c, t in zip(completions, targets) for m in _CLAIM.finditer(c)]
+    rate = lambda xs: sum(wrong(*x) for x in xs) / max(len(xs), 1)  # noqa: E731
+    return {"steps": len(steps), "step_error": rate(steps), "claims": len(claims),
+            "false_claims": sum(claims) / max(len(claims), 1),
+            "step_error_by_op": {op: rate([s for s in steps if s[1] == op]) for op in "+-*/"}}
+
+
 def summarize(records):
     """The summary.json dict (DESIGN.md) from per-problem records with a `scores` list each."""
     n = len(records[0]["scores"])
@@ -83,6 +102,8 @@ def summarize(records):
     return {"num_problems": len(records), "num_samples": n, "pass_at_k": pass_table(correct), "by_size": by_size,
             "pass_at_1_stderr": se,
             "format_rate": sum(s > 0 for s in scores) / len(scores),
+            "arithmetic": arithmetic(*zip(*[(c, r["target"]) for r in records for c in r.get("completions", [])])
+                                     or ([], [])),
             "best_of_n": {"accuracy": sum(c > 0 for c in correct) / len(correct),
                           "avg_samples": sum(expected_samples(n, c, n) for c in correct) / len(correct)}}
 
@@ -128,6 +149,8 @@ def format_table(summary):
              f"{1.96 * summary['pass_at_1_stderr']:.3f} (95%) | format rate "
              f"{summary['format_rate']:.3f} | best-of-{summary['num_samples']} {summary['best_of_n']['accuracy']:.3f} "
              f"at {summary['best_of_n']['avg_samples']:.2f} samples/problem",
+             "arithmetic: {step_error:.1%} of {steps} steps wrong; {false_claims:.1%} of {claims} `found` verdicts "
+             "after a value that is not the target".format(**summary["arithmetic"]),
              "          " + "".join(f"{'pass@' + k:>10}" for k in pk),
              f"{'all':<10}" + "".join(f"{v:>10.3f}" for v in pk.values())]
     for size, s in summary["by_size"].items():
@@ -176,13 +199,15 @@ def report(out):
     first = results[names[0]]
     ks, sizes = list(first["pass_at_k"]), list(first["by_size"]) if len(first["by_size"]) > 1 else []
     head = f"{'stage':<18}{'pass@1':>15}" + "".join(f"{'pass@' + k:>9}" for k in ks[1:]) + "".join(
-        f"{s + ' nums@1':>11}" for s in sizes) + f"{'format':>8}{'wall s':>8}"
-    print(f"Table 1 ({first['num_problems']} held-out problems x {first['num_samples']} samples)\n{head}")
+        f"{s + ' nums@1':>11}" for s in sizes) + f"{'format':>8}{'step err':>9}{'false':>7}{'wall s':>8}"
+    print(f"Table 1 ({first['num_problems']} held-out problems x {first['num_samples']} samples; step err: share of wrong "
+          f"`a op b = v` steps, false: of `found` verdicts after a try whose last value is not the target)\n{head}")
     for n, r in results.items():
-        pk = r["pass_at_k"]
+        pk, a = r["pass_at_k"], r.get("arithmetic", {})  # summaries written before it: nan (--recompute adds it)
         print(f"{n:<18}{pk['1']:>8.3f} ±{1.96 * r['pass_at_1_stderr']:.3f}" + "".join(f"{pk[k]:>9.3f}" for k in ks[1:])
               + "".join(f"{r['by_size'][s]['pass_at_k']['1']:>11.3f}" for s in sizes)
-              + f"{r['format_rate']:>8.3f}{r['wall_seconds'] if r['wall_seconds'] is not None else '-':>8}")
+              + f"{r['format_rate']:>8.3f}{a.get('step_error', nan):>9.3f}{a.get('false_claims', nan):>7.3f}"
+              + f"{r['wall_seconds'] if r['wall_seconds'] is not None else '-':>8}")
     print(f"\nTable 2 (verifier-guided best-of-{first['num_samples']}, early stop at the first verified sample)\n"
           f"{'stage':<18}{'accuracy':>10}{'avg samples':>13}")
     for n, r in results.items():

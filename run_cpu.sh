@@ -33,17 +33,24 @@ stage() {  # stage NAME COMMAND...: run unless finished before; record its wall 
     "$@" "${again[@]}"
     echo $((SECONDS - start)) > "$OUT/$name/wall_seconds"
   fi
-  case $name in rlt|rlt0) return;; esac  # a teacher explains given solutions: its students are what we evaluate
+  case $name in base|rlt|rlt0) return;; esac  # no answers yet / a teacher explains given solutions
   echo "+ python evaluate.py --model $OUT/$name --data $DATA --template compact --num_problems 200 --max_new_tokens 160 --out $OUT/eval/$name"
   python evaluate.py --model "$OUT/$name" --data "$DATA" --template compact --num_problems 200 \
     --max_new_tokens 160 --out "$OUT/eval/$name"
 }
 
-# 1. SFT from scratch on solver-written traces with at most one dead end (000 §3.2 Eq. 1)
-stage sft python sft.py --model tiny "${COMMON[@]}" --dead_ends 1 --lr 2e-3 --batch_size 64 --micro_batch 32 \
-  --max_steps 1200 --eval_every 400 --output_dir "$OUT/sft"
+# 0. The base model, the analog of pretraining: a tiny Qwen2 from scratch learns arithmetic by plain next-token
+#    training on random computation paths over the task's numbers, written as the traces write steps (no prompt,
+#    every token a target). Like a hub model it is built once: a later run on the same OUT_DIR reuses it
+stage base python sft.py --model tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
+  --batch_size 64 --micro_batch 64 --max_steps 1200 --eval_every 400 --save_every 400 --output_dir "$OUT/base"
 
-# 2. A stronger teacher for OPD: the SFT model trained longer, on traces with up to 3 dead ends (more search)
+# 1. SFT from the base on solver-written traces (000 §3.2 Eq. 1): random tries until one reaches the target,
+#    a mean of one dead end and no cap, so the model must check each try's value before it claims "Found"
+stage sft python sft.py --model "$OUT/base" "${COMMON[@]}" --dead_ends 1 --lr 1e-3 --batch_size 64 --micro_batch 32 \
+  --max_steps 600 --eval_every 300 --output_dir "$OUT/sft"
+
+# 2. A stronger teacher for OPD: the SFT model trained longer, on traces with a mean of 3 dead ends (more search)
 stage teacher python sft.py --model "$OUT/sft" "${COMMON[@]}" --dead_ends 3 --lr 1e-3 --warmup 0 --batch_size 64 \
   --micro_batch 32 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
 
@@ -74,10 +81,10 @@ stage rlt python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --
 [[ -n $RLT_CONTROL ]] && stage rlt0 python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 64 \
   --max_response_len 160 --max_steps 0 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
 
-# 9. Tiny students SFT'd from scratch with the same steps on the same number of problems: the trained
+# 9. Students SFT'd from the base with the same steps on the same number of problems: the trained
 #    teacher's traces, the solver's, and with RLT_CONTROL=1 the untrained teacher's (of the 2,000 exported,
 #    RLT skips the few it cannot explain without truncation and sft.py holds out the last 100 rows of a file)
-STUDENT=(--model tiny "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
+STUDENT=(--model "$OUT/base" "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
   --eval_every 400)
 stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
 [[ -n $RLT_CONTROL ]] && stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"

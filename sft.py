@@ -26,14 +26,15 @@ from checkpoints import load_state, prepare_run, save_checkpoint, save_state, st
 from common import CountdownError, Logger, arg, autocast, cli, load_model, load_records, load_tasks, make_prompt, \
     parse_args, seed_everything, token_stats, tokenize_pairs
 from evaluate import eval_metrics
-from verifier import make_trace
+from verifier import arith_text, make_trace
 
 
 @dataclass
 class Args:
     # shared by every script, in this order
     model: str = arg("Qwen/Qwen2.5-0.5B", "model to fine-tune: hub name, checkpoint dir, or `tiny` (from scratch)")
-    data: str = arg("Asap7772/cog_behav_all_strategies", "SFT data: hub/JSONL with query+completion, or gen[:...] traces")
+    data: str = arg("Asap7772/cog_behav_all_strategies", "SFT data: hub/JSONL with query+completion, gen[:...] "
+                    "traces, or arith[:...] plain arithmetic over those problems' numbers (the base stage)")
     eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic pass@k (its `val` split)")
     output_dir: str = arg("out/sft", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for init, shuffling and sampling")
@@ -61,7 +62,7 @@ class Args:
     warmup: float = arg(0.05, "warmup fraction of the cosine schedule (000 Table 4)")
     num_train: int = arg(0, "training problems: gen writes traces for this many (0: 20,000); a dataset keeps its "
                             "first rows (0: all)")
-    dead_ends: int = arg(0, "gen data: at most this many abandoned tries before the solution in a trace")
+    dead_ends: float = arg(0.0, "gen data: mean number of abandoned tries before the one that finds the target")
     fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new one each epoch")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
     tiny_layers: int = arg(4, "tiny model: transformer layers")
@@ -75,9 +76,14 @@ def sft_loss(logp, mask):
 
 def sft_data(args, split, n):
     """Prompts and a function rng -> responses: solver traces of generated problems (new ones each call:
-    another solution path, other dead ends), or a dataset's fixed query/completion pairs."""
-    if args.data.startswith("gen"):
-        tasks = load_tasks(args.data, split, n or 20_000)
+    another solution path, other dead ends), plain arithmetic over their numbers (no prompt: the whole
+    text is the target, 4 random paths a row), or a dataset's fixed query/completion pairs."""
+    kind, _, spec = args.data.partition(":")
+    if kind in ("gen", "arith"):
+        tasks = load_tasks("gen:" + spec, split, n or 20_000)
+        if kind == "arith":
+            nums = [t["nums"] for t in tasks]
+            return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng) for i in range(len(nums))]
         write = lambda rng: [make_trace(t["nums"], t["target"], rng, args.dead_ends) for t in tasks]  # noqa: E731
         fixed = write(random.Random(args.seed)) if args.fixed_traces else None
         return [make_prompt(t["nums"], t["target"], args.template) for t in tasks], lambda rng: fixed or write(rng)
@@ -163,7 +169,8 @@ def main(argv=None):
                     val = [(sft_loss(token_stats(model, i, a, m)["logp"], m[:, 1:]).item(), int(m[:, 1:].sum()))
                            for i, a, m in micro_batches(val_prompts, val_responses)]
                 metrics["eval/loss"] = sum(x for x, _ in val) / sum(n for _, n in val)
-            metrics.update(eval_metrics(model, tok, eval_tasks, args))
+            if not args.data.startswith("arith"):  # a base model writes no answers yet: its eval is eval/loss
+                metrics.update(eval_metrics(model, tok, eval_tasks, args))
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
         if step == total or step % args.save_every == 0:

@@ -180,28 +180,42 @@ def _solutions(numbers, target):
     return list(itertools.islice(_search([(Fraction(n), str(n)) for n in numbers], target, True), 16))
 
 
-def make_trace(numbers, target, rng=None, max_dead_ends=0):
-    """A Stream-of-Search-style trace, the text after the prompt's '<think>': up to `max_dead_ends`
-    random tries computed to the end and abandoned ('Not T, back.'), then one of the solver's paths,
-    then '</think>' and the answer. None if the problem has no solution."""
+def random_path(items, rng):
+    """A random legal path of pair merges over (value, expr) items down to one: (expr, steps)."""
+    steps = []
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        value, op, left, right = rng.choice(_moves(items[i], items[j], True))
+        items = [x for k, x in enumerate(items) if k not in (i, j)] + [(value, f"({left[1]} {op} {right[1]})")]
+        steps.append((left[0], op, right[0], value, [x[0] for x in items]))
+    return items[0][1], steps
+
+
+def arith_text(problems, rng):
+    """Plain arithmetic for the base stage: one random path per problem (its numbers), one per line,
+    written exactly as the traces write their steps ('3 + 5 = 8, left 7 8. 7 * 8 = 56.')."""
+    return "\n".join(_steps_text(random_path([(Fraction(n), str(n)) for n in nums], rng)[1]) for nums in problems)
+
+
+def make_trace(numbers, target, rng=None, dead_ends=0.0):
+    """A Stream-of-Search-style trace, the text after the prompt's '<think>': tries computed to the end,
+    each one of the solver's paths with probability 1 / (1 + dead_ends), else a random path, until one's
+    value is the target. Each try ends by writing the target next to its value, then the verdict
+    ('= 70. Target 60, back.' / '= 60. Target 60, found.'): a comparison of two numbers side by side.
+    No cap: the number of dead ends is geometric with mean <= dead_ends, so only the check tells when to
+    stop. Then '</think>' and the answer. None if the problem has no solution."""
     rng = rng or random.Random(0)
-    items = [(Fraction(n), str(n)) for n in numbers]
     solutions = _solutions(tuple(numbers), target)
     if not solutions:
         return None
     lines = []
-    for _ in range(rng.randint(0, max_dead_ends)):
-        tried, steps = items, []
-        while len(tried) > 1:  # a random legal path down to one value
-            i, j = rng.sample(range(len(tried)), 2)
-            value, op, left, right = rng.choice(_moves(tried[i], tried[j], True))
-            tried = [x for k, x in enumerate(tried) if k not in (i, j)] + [(value, "")]
-            steps.append((left[0], op, right[0], value, [x[0] for x in tried]))
-        if value != target:
-            lines.append(f"{_steps_text(steps)} Not {target}, back.")
-    expr, path = rng.choice(solutions)
-    lines.append(f"{_steps_text(path)} Found {target}.")
-    return " " + "\n".join(lines) + f"\n</think>\n<answer>{expr[1:-1]}</answer>"
+    while True:
+        solved = rng.random() * (1 + dead_ends) < 1
+        expr, path = rng.choice(solutions) if solved else random_path([(Fraction(n), str(n)) for n in numbers], rng)
+        found = path[-1][3] == target  # the verdict comes after the target is written next to the value
+        lines.append(f"{_steps_text(path)} Target {target}, {'found' if found else 'back'}.")
+        if found:
+            return " " + "\n".join(lines) + f"\n</think>\n<answer>{expr[1:-1]}</answer>"
 
 
 def flip_operator(expr, numbers, target, rng=None):

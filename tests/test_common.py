@@ -138,7 +138,7 @@ def test_prompt_longer_than_max_is_a_clear_error():
 
 def test_tiny_tokenizer_round_trips_any_text():
     tok = C.build_tiny_tokenizer()
-    for text in [C.make_prompt([12, 7, 99, 1], 100), V.make_trace([7, 4, 5], 55, max_dead_ends=2),
+    for text in [C.make_prompt([12, 7, 99, 1], 100), V.make_trace([7, 4, 5], 55, dead_ends=2),
                  "<answer> 123 / (4-5) </answer>\n\t ünïcode ✓ \x00", ""]:
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     assert len(tok("<answer>", add_special_tokens=False)["input_ids"]) == 1
@@ -233,7 +233,7 @@ def test_checkpoint_round_trip(tiny, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
     assert tok2.get_vocab() == tok.get_vocab() and tok2.eos_token_id == tok.eos_token_id
-    text = C.make_prompt([3, 17, 9], 21, "compact") + V.make_trace([3, 7, 9], 21, max_dead_ends=2)
+    text = C.make_prompt([3, 17, 9], 21, "compact") + V.make_trace([3, 7, 9], 21, dead_ends=2)
     assert tok2(text)["input_ids"] == tok(text)["input_ids"]  # same pre-tokenizer after the round trip
 
 

@@ -52,6 +52,22 @@ def test_summarize_splits_and_best_of_n():
     assert s["format_rate"] == 7 / 8
     assert s["pass_at_1_stderr"] == pytest.approx(0.125)  # per-problem 0.25 and 0: sd 0.177, / sqrt(2)
     assert s["best_of_n"] == {"accuracy": 0.5, "avg_samples": pytest.approx((E.expected_samples(4, 1, 4) + 4) / 2)}
+    assert s["arithmetic"]["steps"] == 0 and s["arithmetic"]["step_error"] == 0
+
+
+@pytest.mark.parametrize("text, steps, wrong, claims, false", [
+    (" 16 - 1 = 15, left 6 15. 6 * 15 = 90. Target 97, found.", 2, 0, 1, 1),   # right steps, a false claim
+    (" 6 * 16 = 96, left 1 96. 1 + 96 = 112. Target 97, back.", 2, 1, 0, 0),   # a wrong sum, an honest 'back'
+    (" 7 + 4 = 11, left 5 11. 5 * 11 = 55. Target 55, found.\n</think>", 2, 0, 1, 0),
+    (" 7 + 4 = 11, left 5 11. 5 * 11 = 54. Target 55, found.", 2, 1, 1, 1),    # a wrong step, and 54 is not 55
+    (" 9 / 0 = 3, left 2 3. 12 / 4 = 3. Target 3, found.", 2, 1, 1, 1),        # x / 0 is wrong, not a crash
+    ("<answer>1 + 2</answer> no steps", 0, 0, 0, 0),
+])
+def test_arithmetic_diagnostics(text, steps, wrong, claims, false):
+    a = E.arithmetic([text], [97 if "97" in text else 55])
+    assert (a["steps"], a["claims"]) == (steps, claims)
+    assert a["step_error"] == (wrong / steps if steps else 0) and a["false_claims"] == (false / claims if claims else 0)
+    assert E.arithmetic([text] * 3, [0] * 3)["step_error"] == a["step_error"]
 
 
 def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
@@ -61,7 +77,8 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     s = json.load(open(out / "summary.json"))
-    assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n", "pass_at_1_stderr"}
+    assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n", "pass_at_1_stderr",
+                      "arithmetic"}
     assert s["num_problems"] == 6 and s["num_samples"] == 4 and set(s["pass_at_k"]) == {"1", "2", "4"}
     assert set(s["by_size"]) <= {"3", "4"} and set(s["best_of_n"]) == {"accuracy", "avg_samples"}
     rows = [json.loads(x) for x in open(out / "samples.jsonl")]
@@ -88,7 +105,8 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
         return {"num_problems": 2, "num_samples": 2, "pass_at_k": {"1": p1, "2": min(1.0, 2 * p1)}, "pass_at_1_stderr": 0.1,
                 "by_size": {"3": {"num_problems": 1, "pass_at_k": {"1": p1, "2": p1}},
                             "4": {"num_problems": 1, "pass_at_k": {"1": 0.0, "2": 0.0}}},
-                "format_rate": 1.0, "best_of_n": {"accuracy": p1, "avg_samples": 1.5}}
+                "format_rate": 1.0, "best_of_n": {"accuracy": p1, "avg_samples": 1.5},
+                "arithmetic": {"steps": 10, "step_error": 0.125, "claims": 4, "false_claims": 0.25}}
     for i, name in enumerate(["zzz_extra", "rloo", "sft", "rlt_student"]):
         (tmp_path / "eval" / name).mkdir(parents=True)
         (tmp_path / "eval" / name / "summary.json").write_text(json.dumps(summary(0.1 * (i + 1))))
@@ -106,7 +124,7 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     assert res["rloo"]["pass_at_k"]["1"] == pytest.approx(0.2)
     table1 = r.stdout.split("Table 2")[0]
     assert table1.index("sft") < table1.index("rloo") < table1.index("rlt_student") < table1.index("zzz_extra")
-    assert "3 nums@1" in table1 and "avg samples" in r.stdout
+    assert "3 nums@1" in table1 and "avg samples" in r.stdout and "0.125  0.250" in table1
     for png in ("pass_at_k.png", "rl_curves.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     r = subprocess.run([sys.executable, "evaluate.py", "--report", str(tmp_path / "nothing")], cwd=ROOT,

@@ -121,6 +121,22 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
     assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
 
+def test_base_stage_trains_on_plain_arithmetic(tmp_path):
+    """--data arith:...: no prompt, the whole text is the target; fresh random paths each epoch; the run's
+    held-out check is eval/loss (a base model writes no answers to sample pass@k from)."""
+    args = sft.parse_args(sft.Args, ["--data", "arith:nums=3,range=1-20,test=5,val=5"])
+    prompts, write = sft.sft_data(args, "train", 30)
+    a, b = write(random.Random(1)), write(random.Random(2))
+    assert prompts == [""] * 30 and a != b and all(" = " in x and "Target" not in x for x in a)
+    _, _, mask = C.tokenize_pairs(C.build_tiny_tokenizer(), prompts[:2], a[:2])
+    assert mask[:, 0].all()  # every token is a target (the first one conditions the rest)
+    sft.main(["--model", "tiny", "--data", "arith:nums=3,range=1-20,test=5,val=5", "--eval_data", GEN,
+              "--batch_size", "4", "--micro_batch", "4", "--max_steps", "2", "--num_train", "20", "--eval_problems", "4",
+              "--output_dir", str(tmp_path / "base")])
+    last = [json.loads(x) for x in open(tmp_path / "base" / "metrics.jsonl")][-1]
+    assert "eval/loss" in last and "eval/pass@1" not in last
+
+
 def test_generated_traces_are_new_each_epoch_unless_fixed():
     args = sft.parse_args(sft.Args, ["--data", "gen:nums=3,range=1-20,test=5,val=5", "--dead_ends", "3"])
     prompts, write = sft.sft_data(args, "train", 50)

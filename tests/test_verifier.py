@@ -1,4 +1,5 @@
 import random
+import re
 import time
 from fractions import Fraction
 
@@ -189,7 +190,7 @@ def test_small_problem_space_runs_dry_instead_of_hanging():
 def test_traces_end_in_a_verified_answer(problems, dead_ends):
     rng = random.Random(0)
     for p in problems[:200]:
-        trace = V.make_trace(p["nums"], p["target"], rng, max_dead_ends=dead_ends)
+        trace = V.make_trace(p["nums"], p["target"], rng, dead_ends=dead_ends)
         assert trace.count("</think>") == 1 and trace.rstrip().endswith("</answer>")
         assert V.score(trace, p["nums"], p["target"]) == 1.0
         if dead_ends == 0:
@@ -197,8 +198,29 @@ def test_traces_end_in_a_verified_answer(problems, dead_ends):
     assert V.make_trace([1, 1, 1], 100) is None
 
 
+def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
+    """Each try ends 'found' exactly when its last value is T, and the number of dead ends is geometric
+    (mean about dead_ends, no cap): the position of a try never tells whether it is the one."""
+    rng, dead = random.Random(0), []
+    for p in problems[:300]:
+        lines = V.make_trace(p["nums"], p["target"], rng, dead_ends=2.0).split("\n")[:-2]
+        for line in lines:
+            last = int(re.findall(r"= (\d+)\.", line)[-1])
+            assert line.endswith(f"Target {p['target']}, " + ("found." if last == p["target"] else "back."))
+            assert (last == p["target"]) == (line is lines[-1])
+        dead.append(len(lines) - 1)
+    assert 1.3 < sum(dead) / len(dead) < 2.1 and max(dead) >= 6 and dead.count(1) > 0
+
+
+def test_arith_text_is_trace_steps_over_the_given_numbers():
+    text = V.arith_text([[7, 4, 5], [12, 3, 9, 20]], random.Random(0))
+    lines = text.split("\n")
+    assert len(lines) == 2 and lines[0].count("=") == 2 and lines[1].count("=") == 3
+    assert "Target" not in text and text.startswith(("7 ", "4 ", "5 "))
+
+
 def test_trace_arithmetic_is_right():
-    trace = V.make_trace([7, 4, 5], 55, random.Random(1), max_dead_ends=3)
+    trace = V.make_trace([7, 4, 5], 55, random.Random(1), dead_ends=3)
     for line in trace.split("\n")[:-2]:
         for step in line.split(". "):
             if "=" in step:
