@@ -46,7 +46,7 @@ stage base python sft.py --model tiny --data "arith:${DATA#gen:}" --eval_data "$
   --batch_size 64 --micro_batch 64 --max_steps 1200 --eval_every 400 --save_every 400 --output_dir "$OUT/base"
 
 # 1. SFT from the base on solver-written traces (000 §3.2 Eq. 1): random tries until one reaches the target,
-#    a mean of one dead end and no cap, so the model must check each try's value before it claims "Found"
+#    a mean of one dead end and no cap; each try writes the target beside its value before the verdict ("found")
 stage sft python sft.py --model "$OUT/base" "${COMMON[@]}" --dead_ends 1 --lr 1e-3 --batch_size 64 --micro_batch 32 \
   --max_steps 600 --eval_every 300 --output_dir "$OUT/sft"
 

@@ -212,10 +212,10 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0):
     while True:
         solved = rng.random() * (1 + dead_ends) < 1
         expr, path = rng.choice(solutions) if solved else random_path([(Fraction(n), str(n)) for n in numbers], rng)
-        found = path[-1][3] == target  # the verdict comes after the target is written next to the value
+        found = (path[-1][3] if path else numbers[0]) == target  # the verdict follows the target, written by the value
         lines.append(f"{_steps_text(path)} Target {target}, {'found' if found else 'back'}.")
         if found:
-            return " " + "\n".join(lines) + f"\n</think>\n<answer>{expr[1:-1]}</answer>"
+            return " " + "\n".join(lines) + f"\n</think>\n<answer>{expr[1:-1] if path else expr}</answer>"
 
 
 def flip_operator(expr, numbers, target, rng=None):

@@ -196,6 +196,7 @@ def test_traces_end_in_a_verified_answer(problems, dead_ends):
         if dead_ends == 0:
             assert "back." not in trace
     assert V.make_trace([1, 1, 1], 100) is None
+    assert V.score(V.make_trace([5], 5), [5], 5) == 1.0  # one number: no step, still a valid answer
 
 
 def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
