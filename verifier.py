@@ -180,9 +180,9 @@ def _solutions(numbers, target):
     return list(itertools.islice(_search([(Fraction(n), str(n)) for n in numbers], target, True), 16))
 
 
-def random_path(items, rng):
-    """A random legal path of pair merges over (value, expr) items down to one: (expr, steps)."""
-    steps = []
+def random_path(numbers, rng):
+    """A random legal path of pair merges down to one value: (expr, steps)."""
+    items, steps = [(Fraction(n), str(n)) for n in numbers], []
     while len(items) > 1:
         i, j = rng.sample(range(len(items)), 2)
         value, op, left, right = rng.choice(_moves(items[i], items[j], True))
@@ -194,7 +194,7 @@ def random_path(items, rng):
 def arith_text(problems, rng):
     """Plain arithmetic for the base stage: one random path per problem (its numbers), one per line,
     written exactly as the traces write their steps ('3 + 5 = 8, left 7 8. 7 * 8 = 56.')."""
-    return "\n".join(_steps_text(random_path([(Fraction(n), str(n)) for n in nums], rng)[1]) for nums in problems)
+    return "\n".join(_steps_text(random_path(nums, rng)[1]) for nums in problems)
 
 
 def make_trace(numbers, target, rng=None, dead_ends=0.0):
@@ -211,7 +211,7 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0):
     lines = []
     while True:
         solved = rng.random() * (1 + dead_ends) < 1
-        expr, path = rng.choice(solutions) if solved else random_path([(Fraction(n), str(n)) for n in numbers], rng)
+        expr, path = rng.choice(solutions) if solved else random_path(numbers, rng)
         found = (path[-1][3] if path else numbers[0]) == target  # the verdict follows the target, written by the value
         lines.append(f"{_steps_text(path)} Target {target}, {'found' if found else 'back'}.")
         if found:
