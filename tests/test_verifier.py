@@ -213,6 +213,24 @@ def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
     assert 1.3 < sum(dead) / len(dead) < 2.1 and max(dead) >= 6 and dead.count(1) > 0
 
 
+def test_near_misses_are_solutions_with_the_last_operator_changed(problems):
+    """A near-miss dead end repeats a solution's first steps and misses only in the last: its verdict is
+    'back', so a model cannot tell 'found' from how solution-like a try looks. With near_misses=0 the
+    traces are exactly the random-dead-end ones (same rng stream)."""
+    rng, seen = random.Random(0), 0
+    for p in problems[:300]:
+        head = lambda line: line.strip().rsplit(". ", 2)[0]  # noqa: E731  the steps before the last
+        solution_heads = {head(V._steps_text(path) + " Target") for _, path in V._solutions(tuple(p["nums"]), p["target"])}
+        for line in V.make_trace(p["nums"], p["target"], rng, dead_ends=2.0, near_misses=1.0).split("\n")[:-3]:
+            assert line.endswith(f"Target {p['target']}, back.") and head(line) in solution_heads
+            seen += 1
+    assert seen > 200
+    a = [V.make_trace(p["nums"], p["target"], random.Random(1), 1.0) for p in problems[:50]]
+    assert a == [V.make_trace(p["nums"], p["target"], random.Random(1), 1.0, 0.0) for p in problems[:50]]
+    miss = V.near_miss([(9, "*", 2, 18, [13, 18]), (13, "+", 18, 31, [31])], 31, random.Random(0))
+    assert miss[0] == (9, "*", 2, 18, [13, 18]) and miss[1][3] != 31 and miss[1][4] == [miss[1][3]]
+
+
 def test_arith_text_is_trace_steps_over_the_given_numbers():
     text = V.arith_text([[7, 4, 5], [12, 3, 9, 20]], random.Random(0))
     lines = text.split("\n")
