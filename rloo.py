@@ -62,7 +62,8 @@ class Args:
     max_steps: int = arg(200, "optimizer steps, one rollout batch each (000 Table 5)")
     group_size: int = arg(8, "G rollouts per prompt (000 Table 5)")
     temperature: float = arg(1.0, "rollout temperature; log-probs are of logits / T (000 Table 5: 1.0; top_p 1, no top_k)")
-    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 | dense: partial credit for near misses (001)")
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for near misses (001) | "
+                                "exact: 1/0, no credit for a wrong answer")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # RLOO specific
     entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2; it acts near 1 here: README)")
@@ -114,8 +115,8 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, args):
 def main(argv=None):
     args = parse_args(Args, argv)
     seed_everything(args.seed)
-    if args.reward not in ("sparse", "dense"):
-        raise CountdownError(f"--reward must be sparse or dense, not {args.reward!r}")
+    if args.reward not in ("sparse", "dense", "exact"):
+        raise CountdownError(f"--reward must be sparse, dense or exact, not {args.reward!r}")
     if args.group_size < 2:
         raise CountdownError("--group_size must be at least 2: the baseline is the other rollouts of the prompt")
     prepare_run(args)  # refuse to write over a run, or point --resume at one
