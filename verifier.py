@@ -198,24 +198,19 @@ def arith_text(problems, rng):
 
 
 def near_miss(numbers, target, rng, tries=8):
-    """The closest miss of `tries` random legal paths: the value nearest the target that is not the
-    target. A search that aims and slips ends near the target, so a check that only looks at magnitude
-    ('72 is about 70') would call it found. None if every path hits the target (or one number)."""
+    """The closest miss of `tries` random legal paths (None if all hit, or one number): the dead end
+    that makes a trace's check exact, since a miss far off can be told by magnitude alone."""
     misses = [p for p in (random_path(numbers, rng)[1] for _ in range(tries)) if p and p[-1][3] != target]
     return min(misses, key=lambda p: abs(p[-1][3] - target)) if misses else None
 
 
 def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
     """A Stream-of-Search-style trace, the text after the prompt's '<think>': tries computed to the end,
-    each one of the solver's paths with probability 1 / (1 + dead_ends), else a dead end, until one's
-    value is the target. A dead end is a near miss (the closest miss of a few random paths) with
-    probability `near_misses`, else a random path. Each try ends by writing the target
-    next to its value, then the verdict ('= 70. Target 60, back.' / '= 60. Target 60, found.'): a
-    comparison of two numbers side by side. Near misses make the verdict an exact comparison: with
-    random dead ends alone, a miss is usually far off, and a model learns to say 'found' whenever its
-    value is close (measured: docs/arithmetic.md). No cap: the number of dead ends is geometric
-    with mean <= dead_ends, so only the check tells when to stop. Then '</think>' and the answer. None
-    if the problem has no solution."""
+    each a solver path with probability 1 / (1 + dead_ends), else a dead end (a near miss with
+    probability `near_misses`, else a random path), until one's value is the target. No cap: the dead
+    ends are geometric with mean <= dead_ends, so only the check tells when to stop. Each try writes
+    the target by its value, then the verdict ('= 70. Target 60, back.'). Without near misses a
+    model learns "found" = "close" (docs/arithmetic.md). None if the problem has no solution."""
     rng = rng or random.Random(0)
     solutions = _solutions(tuple(numbers), target)
     if not solutions:
@@ -224,8 +219,7 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
     while True:
         if rng.random() * (1 + dead_ends) < 1:
             expr, path = rng.choice(solutions)
-        elif near_misses and rng.random() < near_misses \
-                and (miss := near_miss(numbers, target, rng)):
+        elif near_misses and rng.random() < near_misses and (miss := near_miss(numbers, target, rng)):
             expr, path = None, miss  # a near miss never finds, so its expression is never written
         else:
             expr, path = random_path(numbers, rng)
