@@ -130,3 +130,15 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     r = subprocess.run([sys.executable, "evaluate.py", "--report", str(tmp_path / "nothing")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode != 0 and "run ./run_cpu.sh" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_search_probe_counts_tries_aim_and_repeats_by_hand():
+    """benchmarks/search_probe.py: a try is aimed when its first step opens some solution, operands of
+    + and * in either order; hand-counted on two samples of [9, 2, 13] -> 31 (9 * 2 + 13)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import search_probe
+    hit = "2 * 9 = 18, left 13 18. 13 + 18 = 31. Target 31, found."
+    miss = "13 + 9 = 22, left 2 22. 22 + 2 = 24. Target 31, back."
+    stats = search_probe.try_stats([([9, 2, 13], 31, [[hit], [miss, miss]])])
+    assert stats == pytest.approx({"tries/sample": 1.5, "repeated": 1 / 3, "hit/try": 1 / 3, "hit/first try": 0.5,
+                                   "aimed": 1 / 3, "hit/aimed try": 1.0, "hit/other try": 0.0})
