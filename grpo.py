@@ -66,8 +66,9 @@ class Args:
     group_size: int = arg(16, "G rollouts per prompt (002 §5.1: 16; 004 Table 6: 64)")
     temperature: float = arg(1.5, "rollout temperature; log-probs are of logits / T (002 Table 1: 1.5 its best, "
                                   "0.6 its default before; 004 Table 6: 0.7); top_p 1, no top_k")
-    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for near misses (001) | "
-                                "exact: 1/0, no credit for a wrong answer")
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for near misses (001)")
+    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when the budget cuts many "
+                                   "searches short, or the 0.1 pays for claiming success falsely (docs/arithmetic.md)")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # GRPO specific
     beta: float = arg(0.001, "β, weight of the KL to the frozen reference (002 §5.2: 0.001; 004 Table 6: 0.04; "
@@ -127,8 +128,8 @@ def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
 def main(argv=None):
     args = parse_args(Args, argv)
     seed_everything(args.seed)
-    if args.reward not in ("sparse", "dense", "exact"):
-        raise CountdownError(f"--reward must be sparse, dense or exact, not {args.reward!r}")
+    if args.reward not in ("sparse", "dense"):
+        raise CountdownError(f"--reward must be sparse or dense, not {args.reward!r}")
     if args.loss_agg not in ("seq-mean", "token-mean", "constant"):
         raise CountdownError(f"--loss_agg must be seq-mean, token-mean or constant, not {args.loss_agg!r}")
     if args.group_size < 2:
@@ -158,7 +159,7 @@ def main(argv=None):
         ro = rollouts(sampler, model, tok, batch, G, args, seed=args.seed * 100_003 + step)
         t_sample = time.time() - t0
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward)                          # (B*G,), (B, G)
+        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
         keep = torch.tensor(ro.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B * G)
         n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)     # tokens in the loss

@@ -61,8 +61,9 @@ class Args:
     max_steps: int = arg(100, "optimizer steps, one rollout batch each (000 Table 5: 100; anti-collapse 150)")
     group_size: int = arg(8, "G rollouts per prompt (000 Table 5)")
     temperature: float = arg(1.0, "rollout temperature; log-probs are of logits / T (000 Table 5: 1.0; top_p 1, no top_k)")
-    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for near misses (001) | "
-                                "exact: 1/0, no credit for a wrong answer")
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for near misses (001)")
+    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when the budget cuts many "
+                                   "searches short, or the 0.1 pays for claiming success falsely (docs/arithmetic.md)")
     backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # OPD specific
     teacher: str = arg("out/teacher", "frozen teacher checkpoint; must share the student's tokenizer")
@@ -100,8 +101,8 @@ def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, args):
 def main(argv=None):
     args = parse_args(Args, argv)
     seed_everything(args.seed)
-    if args.reward not in ("sparse", "dense", "exact"):
-        raise CountdownError(f"--reward must be sparse, dense or exact, not {args.reward!r}")
+    if args.reward not in ("sparse", "dense"):
+        raise CountdownError(f"--reward must be sparse or dense, not {args.reward!r}")
     if args.group_size < 2:
         raise CountdownError("--group_size must be at least 2: the baseline is the other rollouts of the prompt")
     if args.kd_temperature <= 0:
@@ -134,7 +135,7 @@ def main(argv=None):
         ro = rollouts(sampler, model, tok, batch, G, args, seed=args.seed * 100_003 + step)
         t_sample = time.time() - t0
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward)                          # (B*G,), (B, G)
+        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- forward / backward per micro-batch: student with grad, teacher without ----
         by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding

@@ -196,14 +196,14 @@ def rollouts(sampler, model, tokenizer, tasks, n, args, seed):
     return ro
 
 
-def score_rollouts(ro, tasks, reward="sparse"):
+def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):
     """The verifier on every rollout: exact scores (n·len(tasks),) in {0, 0.1, 1}, for accuracy and format,
-    and the training reward (len(tasks), n): the same scores (sparse), paper 001's dense partial credit,
-    or 1/0 with no credit for a wrong answer (exact: when the budget cuts many searches short, the 0.1
-    pays a policy to stop searching and claim; docs/arithmetic.md)."""
+    and the training reward (len(tasks), n): the same scores with `wrong_reward` in place of the 0.1 of a
+    wrong answer (sparse; paper 000: 0.1), or paper 001's dense partial credit."""
     n = len(ro.texts) // len(tasks)
     row_tasks = [t for t in tasks for _ in range(n)]
     exact = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
     if reward == "dense":
         return exact, torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]).view(-1, n)
-    return exact, (exact == 1).float().view(-1, n) if reward == "exact" else exact.view(-1, n)
+    wrong = (exact > 0) & (exact < 1)                                                   # an answer, not the target
+    return exact, torch.where(wrong, torch.tensor(wrong_reward), exact).view(-1, n)

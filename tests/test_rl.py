@@ -172,7 +172,7 @@ def test_ratio_is_one_on_the_first_pass_at_any_temperature(module, ratio, temper
         assert row["train/sampler_gap"] < 1e-5, row
 
 
-def test_score_rollouts_sparse_dense_and_exact():
+def test_score_rollouts_sparse_dense_and_wrong_reward():
     texts = ["<answer>1 + 2</answer>", "<answer>1 - 2</answer>", "no answer", "<answer>3 * 3</answer>"]
     ro = S.Rollouts([[1], [2]], [[0]] * 4, [[0.0]] * 4, texts, [True] * 4)
     tasks = [{"nums": [1, 2], "target": 3}, {"nums": [3, 3], "target": 10}]
@@ -181,9 +181,10 @@ def test_score_rollouts_sparse_dense_and_exact():
     exact, reward = S.score_rollouts(ro, tasks, "dense")                         # 9 vs 10: 0.1 + 0.5 · 0.9
     assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
     assert torch.allclose(reward, torch.tensor([[1.0, 0.1], [0.0, 0.55]]))
-    exact, reward = S.score_rollouts(ro, tasks, "exact")                         # a wrong answer earns what none does
-    assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
-    assert torch.equal(reward, torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    for wrong in (0.0, -0.5):                                                 # a wrong answer earns as much as none, or less
+        exact, reward = S.score_rollouts(ro, tasks, "sparse", wrong)
+        assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
+        assert torch.equal(reward, torch.tensor([[1.0, wrong], [0.0, wrong]]))
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,7 @@ def test_grpo_reference_stays_frozen_and_syncs_when_asked(tiny_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("script,flag,value,message", [
-    ("rloo.py", "--reward", "binary", "--reward must be sparse, dense or exact"),
+    ("rloo.py", "--reward", "exact", "--reward must be sparse or dense"),
     ("grpo.py", "--loss_agg", "sum", "--loss_agg must be seq-mean, token-mean or constant"),
     ("grpo.py", "--group_size", "1", "--group_size must be at least 2"),
     ("rloo.py", "--backend", "sglang", "--backend must be hf or vllm"),
