@@ -63,8 +63,8 @@ class Args:
     num_train: int = arg(0, "training problems: gen writes traces for this many (0: 20,000); a dataset keeps its "
                             "first rows (0: all)")
     dead_ends: float = arg(0.0, "gen data: mean number of abandoned tries before the one that finds the target")
-    near_misses: float = arg(0.0, "gen data: share of dead ends that are near misses, a solution with its last "
-                                  "operator changed (verifier.near_miss), instead of random paths")
+    near_misses: float = arg(0.0, "gen data: share of dead ends that are near misses, the closest miss of 8 random "
+                                  "paths (verifier.near_miss), instead of a random path")
     fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new one each epoch")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
     tiny_layers: int = arg(4, "tiny model: transformer layers")
@@ -86,8 +86,8 @@ def sft_data(args, split, n):
         if kind == "arith":
             nums = [t["nums"] for t in tasks]
             return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng) for i in range(len(nums))]
-        write = lambda rng: [make_trace(t["nums"], t["target"], rng, args.dead_ends, args.near_misses)
-                             for t in tasks]  # noqa: E731
+        write = lambda rng: [make_trace(t["nums"], t["target"], rng, args.dead_ends, args.near_misses)  # noqa: E731
+                             for t in tasks]
         fixed = write(random.Random(args.seed)) if args.fixed_traces else None
         return [make_prompt(t["nums"], t["target"], args.template) for t in tasks], lambda rng: fixed or write(rng)
     if os.path.exists(args.data):  # a file has no splits: its last rows (up to 10%) are the held-out set
