@@ -19,10 +19,10 @@ mkdir -p "$OUT"
 # 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
 DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens 160)
-# A wrong answer earns 0 (--wrong_reward 0), not paper 000's 0.1: when 160 tokens cut most searches short, the 0.1
-# for any answer pays the policy to stop searching and claim "found" (docs/arithmetic.md)
+# A wrong answer earns -0.5 (--wrong_reward -0.5), not paper 000's 0.1: when 160 tokens cut most searches short, the
+# 0.1 pays the policy to claim "found" falsely, and even at 0 RL learns to fake the check (docs/arithmetic.md)
 RL=(--lr 1e-4 --batch_size 64 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20 --save_every 5
-    --wrong_reward 0)
+    --wrong_reward -0.5)
 
 stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
   local name=$1; shift
