@@ -69,7 +69,10 @@ def _shunting_yard(tokens):
             elif expect_operand:
                 if t != "-":
                     return None  # "**", "//", "*3", "+3" (no unary plus)
-                ops.append("neg")  # unary minus: right-associative, binds tightest
+                if ops and ops[-1] == "neg":
+                    ops.pop()  # "- -x" is x: two minuses waiting for one operand cancel, at no arithmetic cost
+                else:
+                    ops.append("neg")  # unary minus: right-associative, binds tightest
             else:  # binary operator: pop everything of higher or equal precedence (left-assoc.)
                 while ops and ops[-1] != "(" and _PREC[ops[-1]] >= _PREC[t]:
                     _apply(ops.pop(), values)

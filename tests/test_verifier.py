@@ -118,6 +118,16 @@ def test_adversarial_inputs_are_fast_and_safe(response):
         assert result in (0.0, 0.1, 1.0) or 0.1 <= result <= 0.6
 
 
+def test_runs_of_unary_minus_cancel_in_pairs():
+    """The parser cancels '- -' before the operand (no arithmetic for a run of 4,000): values by parity."""
+    for n in range(7):
+        sign = (-1) ** n
+        assert V.evaluate_expression("-" * n + "3 + 5 * 4", [3, 4, 5]) == sign * 3 + 20
+        assert V.evaluate_expression("5 * " + "-" * n + "(3 - 4)", [3, 4, 5]) == 5 * sign * -1
+        assert V.evaluate_expression("-" * n + "(" + "-" * n + "3 + 4) * 5", [3, 4, 5]) == sign * (sign * 3 + 4) * 5
+        assert V.evaluate_expression("3 - " + "-" * n + "4 / 5", [3, 4, 5]) == 3 - sign * Fraction(4, 5)
+
+
 def test_deep_but_valid_nesting_still_scores():
     """2,000 levels: twice Python's recursion limit, under MAX_ANSWER_CHARS."""
     assert V.score(ans("(" * 2000 + "3 + 5" + ")" * 2000 + " * 4"), NUMS, TARGET) == 1.0
