@@ -15,7 +15,8 @@ Departures from the papers:
   1. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts from
      the second pass over a batch on. Only 002's temperature of its exploration knobs is here.
   2. No LoRA (002 trains rank 8): full fine-tuning.
-  3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps (README, "RL").
+  3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps, and a wrong answer
+     rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for claiming "found" falsely (docs/arithmetic.md).
 
 Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --output_dir out/grpo
 CPU (embedded): the `grpo` stage of run_cpu.sh, which prints its exact command.

@@ -12,7 +12,8 @@ has its own T. Watch `train/is_weight_raw`, w before its clip: the paper's rises
 Departures from the paper:
   1. The KL and the entropy are means over each rollout's tokens, then averaged over rollouts like L_PG.
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
-  3. Embedded setting: a stronger tiny teacher written by sft.py, 64 prompts x 8, lr 1e-4 (README, "OPD").
+  3. Embedded setting: a stronger tiny teacher written by sft.py, 64 prompts x 8, lr 1e-4, a wrong answer
+     rewarded -0.5 in the RL half (README, "OPD"; docs/arithmetic.md).
 
 Real (1×H100, the paper's recipe = the defaults):  python opd.py --init out/sft --teacher out/teacher --backend vllm
   anti-collapse: python opd.py --init out/opd --entropy_coef 1e-2 --kd_temperature 1.3 --max_steps 150 --output_dir out/opd_ac

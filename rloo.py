@@ -14,7 +14,8 @@ Departures from the paper:
      plain k3, whose gradient is neither KL's once μ lags). With the HF sampler μ *is* the policy, so
      w = 1 and the term is ~0 (bf16 rounding aside); it acts with vLLM's snapshot or a slower sync.
   2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
-  3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps (README, "RL").
+  3. Embedded setting: generated tasks, a tiny model, 64 prompts x 8, lr 1e-4, 20 steps, and a wrong answer
+     rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for claiming "found" falsely (docs/arithmetic.md).
 
 Real (1×H100, the paper's recipe = the defaults):  python rloo.py --init out/sft --backend vllm --output_dir out/rloo
 CPU (embedded): the `rloo` stage of run_cpu.sh, which prints its exact command.
