@@ -16,6 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from evaluate import _STEP  # noqa: E402  a step as the traces write it: a op b = v
 from verifier import _solutions, _steps_text, random_path  # noqa: E402
 
 TRY = re.compile(r"(.*) Target (\d+), (?:found|back)\.")
@@ -23,7 +24,7 @@ TRY = re.compile(r"(.*) Target (\d+), (?:found|back)\.")
 
 def first_step(text):
     """'9 * 2 = 18, left ...' -> ('2', '*', '9', '18'): operands sorted for + and *, so order does not count."""
-    m = re.match(r"\s*(\d+) ([-+*/]) (\d+) = (\d+)", text)
+    m = _STEP.match(text.strip())
     if not m:
         return None
     a, op, b, v = m.groups()
