@@ -60,6 +60,16 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+def warmup_lr(opt, lr, step, warmup_steps):
+    """Set and return the lr of 1-based `step`: linear from lr/warmup_steps up to lr, then constant. A function
+    of the step alone, so --resume needs no scheduler state. Why warm up at all: Adam's first update moves
+    every weight by about the lr whatever the gradient, and at 1e-3 that wrecked the tiny policy (docs/arithmetic.md)."""
+    lr = lr * min(1.0, step / warmup_steps) if warmup_steps > 0 else lr
+    for group in opt.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def device_and_dtype():
     """bf16 on a GPU (what the papers trained in), fp32 on CPU (sampling and inference stay fp32 there)."""
     return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)

@@ -28,7 +28,7 @@ import torch
 
 from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger, arg, autocast, cli, load_model, load_tasks, parse_args, \
-    seed_everything, token_stats
+    seed_everything, token_stats, warmup_lr
 from evaluate import eval_metrics
 from sampler import make_sampler, rollout_batch, rollouts, score_rollouts
 
@@ -43,6 +43,7 @@ class Args:
     seed: int = arg(0, "seed for task order and sampling")
     template: str = arg("base", "prompt template: base | compact")
     lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
+    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, as 000)")
     batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: 128 x 8)")
     micro_batch: int = arg(8, "rollouts per forward/backward (001: one group; bounds memory)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
@@ -138,6 +139,7 @@ def main(argv=None):
         log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
+        lr = warmup_lr(opt, args.lr, step, args.warmup_steps)
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
         if len(order) < B:
             order = rng.sample(range(len(tasks)), len(tasks))
@@ -181,7 +183,7 @@ def main(argv=None):
                         "train/zero_adv_groups": (group_std == 0).float().mean(),
                         "train/resp_len": n_tok / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
-                        "train/is_weight_raw_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
+                        "train/is_weight_raw_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": lr,
                         "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):

@@ -20,9 +20,10 @@ mkdir -p "$OUT"
 DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens 160)
 # A wrong answer earns -0.5 (--wrong_reward -0.5), not paper 000's 0.1: when 160 tokens cut most searches short, the
-# 0.1 pays the policy to claim "found" falsely, and even at 0 RL learns to fake the check (docs/arithmetic.md)
-RL=(--lr 1e-4 --batch_size 64 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20 --save_every 5
-    --wrong_reward -0.5)
+# 0.1 pays the policy to claim "found" falsely, and even at 0 RL learns to fake the check. lr 2e-4 at T 0.7 is the
+# largest stable lr measured (5e-4, even after a 5-step warm-up, and 1e-3 wreck the policy; docs/arithmetic.md)
+RL=(--lr 2e-4 --temperature 0.7 --batch_size 32 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20
+    --save_every 5 --wrong_reward -0.5)
 
 stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
   local name=$1; shift
@@ -57,20 +58,21 @@ TRACES=(--near_misses 0.5 --micro_batch 16)
 stage sft python sft.py --model "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --batch_size 64 \
   --max_steps 1200 --eval_every 600 --output_dir "$OUT/sft"
 
-# 2. A stronger teacher for OPD: the SFT model trained longer, on traces with a mean of 3 dead ends (more search)
-stage teacher python sft.py --model "$OUT/sft" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 3 --lr 1e-3 --warmup 0 \
+# 2. A stronger teacher for OPD: the SFT model trained 300 steps longer (SFT length is the largest lever measured;
+#    traces with 3 dead ends cost 2.3 s a step here, 3x these)
+stage teacher python sft.py --model "$OUT/sft" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --warmup 0 \
   --batch_size 64 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
 
 # 3. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2)
 stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --num_prompts 1024 --max_new_tokens 160 \
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"
 
-# 4. RLOO from the SFT checkpoint (000 Eq. 3): 64 prompts x 8 rollouts per step, the paper's knobs
+# 4. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs
 stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --output_dir "$OUT/rloo"
 
 # 5. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model.
-#    Rollouts at T 1.0 like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001)
-stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --temperature 1.0 --beta 0.04 \
+#    Rollouts at T 0.7 like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001)
+stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --beta 0.04 \
   --output_dir "$OUT/grpo"
 
 # 6. On-policy distillation from the teacher, hybrid with RLOO (000 Eq. 4, Algorithm 1): same geometry and steps

@@ -308,3 +308,12 @@ def test_every_script_has_help(script):
     r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "--output_dir" in r.stdout or "--out" in r.stdout
     assert "usage:" in r.stdout and "(default:" in r.stdout
+
+
+def test_warmup_lr_ramps_linearly_then_holds_and_sets_every_group():
+    opt = torch.optim.AdamW([{"params": [torch.zeros(1, requires_grad=True)]},
+                             {"params": [torch.zeros(1, requires_grad=True)]}], lr=1.0)
+    got = [C.warmup_lr(opt, 2e-4, step, 4) for step in range(1, 7)]
+    assert got == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])
+    assert [g["lr"] for g in opt.param_groups] == [2e-4, 2e-4]
+    assert C.warmup_lr(opt, 3e-4, 1, 0) == 3e-4  # 0: constant from the first step (paper 000)
