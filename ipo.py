@@ -27,7 +27,7 @@ from checkpoints import load_state, prepare_run, save_checkpoint, save_state, st
 from common import CountdownError, Logger, arg, autocast, cli, load_model, load_records, load_tasks, \
     make_prompt, parse_args, seed_everything, token_stats, tokenize_pairs
 from evaluate import eval_metrics
-from sampler import HFSampler
+from sampler import make_sampler
 from verifier import dense_score, extract_answer, flip_operator, make_trace, score
 
 
@@ -69,6 +69,7 @@ class Args:
     rejected: str = arg("any", "onpolicy: rejected is `any` wrong sample or a `near_miss` (right numbers, wrong value)")
     temperature: float = arg(1.0, "onpolicy: sampling temperature for the pairs")
     max_new_tokens: int = arg(1024, "onpolicy: generation budget for the pairs")
+    backend: str = arg("hf", "sampler of the pairs and evaluations: hf (plain PyTorch, CPU ok) | vllm (sampler.py)")
     heldout: float = arg(0.1, "share of prompts whose pairs are held out for eval/pref_acc")
 
 
@@ -97,7 +98,7 @@ def pair_report(loss, h, w, l, rw, rl):
             "chosen_delta": w - rw, "rejected_delta": l - rl}
 
 
-def build_pairs(args, model, tok):
+def build_pairs(args, model, tok, sampler):
     """(prompt, chosen, rejected) triples and a one-line report of how they were made."""
     if args.pairs not in ("onpolicy", "solver"):
         rows = load_records(args.pairs, "train", ["prompt", "chosen", "rejected"])
@@ -112,7 +113,8 @@ def build_pairs(args, model, tok):
             if neg is not None:
                 pairs.append((p, trace, trace.replace(f"<answer>{extract_answer(trace)}</answer>", f"<answer>{neg}</answer>")))
         return pairs, f"{len(pairs)} solver pairs from {len(prompts)} prompts"
-    ro = HFSampler(model, tok).generate(prompts, args.group_size, args.temperature, 1.0, 0, args.max_new_tokens, args.seed)
+    ro = sampler.generate(prompts, args.group_size, args.temperature, 1.0, 0, args.max_new_tokens, args.seed)  # the init's
+    sampler.sleep()
     for i, (p, t) in enumerate(zip(prompts, tasks)):
         texts = ro.texts[i * args.group_size:(i + 1) * args.group_size]
         good = [x for x in texts if score(x, t["nums"], t["target"]) == 1.0]
@@ -134,7 +136,8 @@ def main(argv=None):
     ref = copy.deepcopy(model).eval().requires_grad_(False)  # π_ref: the frozen init
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    pairs, report = build_pairs(args, model, tok)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_new_tokens)
+    pairs, report = build_pairs(args, model, tok, sampler)
     random.Random(args.seed).shuffle(pairs)
     n_held = int(args.heldout * len(pairs))
     held, pairs = pairs[:n_held], pairs[n_held:]
@@ -175,7 +178,7 @@ def main(argv=None):
         return {f"eval/{k}": v / len(held) for k, v in sums.items()}
 
     def evaluation():
-        return {**eval_metrics(model, tok, eval_tasks, args), **(heldout_metrics() if held else {})}
+        return {**eval_metrics(model, tok, eval_tasks, args, sampler), **(heldout_metrics() if held else {})}
 
     if not start:
         log.log(0, evaluation())  # the start: pass@k of the init and its held-out preference accuracy

@@ -27,7 +27,7 @@ import torch
 
 from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger, arg, autocast, check_same_tokenizer, cli, load_model, load_tasks, \
-    parse_args, seed_everything, token_stats
+    parse_args, seed_everything, token_stats, warmup_lr
 from evaluate import eval_metrics
 from sampler import make_sampler, rollout_batch, rollouts, score_rollouts
 
@@ -42,6 +42,7 @@ class Args:
     seed: int = arg(0, "seed for task order and sampling")
     template: str = arg("base", "prompt template: base | compact")
     lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
+    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, as the paper)")
     batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: 128 x 8)")
     micro_batch: int = arg(8, "rollouts per forward/backward (bounds memory: student + teacher activations)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
@@ -126,9 +127,10 @@ def main(argv=None):
     order, skipped = extra.get("order", []), extra.get("skipped", 0)
     log = Logger(args.output_dir, args.max_steps, args, args.wandb_project, start)
     if not start:
-        log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
+        log.log(0, eval_metrics(model, tok, eval_tasks, args, sampler))  # where the init starts
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
+        lr = warmup_lr(opt, args.lr, step, args.warmup_steps)
         # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
         if len(order) < B:
             order = rng.sample(range(len(tasks)), len(tasks))
@@ -173,11 +175,11 @@ def main(argv=None):
                         "train/zero_adv_groups": (group_std == 0).float().mean(),
                         "train/resp_len": n_tok / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/format": (exact > 0).float().mean(),
-                        "train/is_weight_raw_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": args.lr,
+                        "train/is_weight_raw_max": w_max, "train/sampler_gap": gap / n_tok, "train/lr": lr,
                         "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(eval_metrics(model, tok, eval_tasks, args))
+            metrics.update(eval_metrics(model, tok, eval_tasks, args, sampler))
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
         if step == args.max_steps or step % args.save_every == 0:

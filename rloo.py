@@ -43,7 +43,7 @@ class Args:
     seed: int = arg(0, "seed for task order and sampling")
     template: str = arg("base", "prompt template: base | compact")
     lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
-    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, as 000)")
+    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, as the paper)")
     batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: 128 x 8)")
     micro_batch: int = arg(8, "rollouts per forward/backward (001: one group; bounds memory)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
@@ -136,7 +136,7 @@ def main(argv=None):
     order, skipped = extra.get("order", []), extra.get("skipped", 0)
     log = Logger(args.output_dir, args.max_steps, args, args.wandb_project, start)
     if not start:
-        log.log(0, eval_metrics(model, tok, eval_tasks, args))  # where the init starts
+        log.log(0, eval_metrics(model, tok, eval_tasks, args, sampler))  # where the init starts
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
         lr = warmup_lr(opt, args.lr, step, args.warmup_steps)
@@ -187,7 +187,7 @@ def main(argv=None):
                         "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(eval_metrics(model, tok, eval_tasks, args))
+            metrics.update(eval_metrics(model, tok, eval_tasks, args, sampler))
             save_checkpoint(model, tok, args.output_dir)
         log.log(step, metrics)
         if step == args.max_steps or step % args.save_every == 0:

