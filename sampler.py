@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import CountdownError, make_prompt, pack
+from common import CountdownError, make_prompt, pack, token_stats
 from verifier import dense_score, score
 
 
@@ -235,3 +235,13 @@ def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):
         return exact, torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]).view(-1, n)
     wrong = (exact > 0) & (exact < 1)                                                   # an answer, not the target
     return exact, torch.where(wrong, torch.tensor(wrong_reward), exact).view(-1, n)
+
+
+@torch.no_grad()
+def logprob_gap(model, tokenizer, ro, temperature):
+    """Mean |trainer − sampler| log-prob over every sampled token of `ro`, in one pass: what the RL scripts
+    log as train/sampler_gap, for checking a sampler (tests/test_vllm.py, benchmarks/vllm_check.py)."""
+    rows = list(range(len(ro.completion_ids)))
+    ids, attn, mask, sampler_logp = (x.to(model.device) for x in rollout_batch(ro, rows, tokenizer.pad_token_id))
+    logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]                 # (b, T-1)
+    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()

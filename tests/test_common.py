@@ -178,6 +178,7 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
     with torch.no_grad():
         logp = C.token_stats(model, ids, attn, mask)["logp"]
     assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
+    assert S.logprob_gap(model, tok, ro, 1.0) == pytest.approx((logp - sampler_lp)[mask[:, 1:].bool()].abs().mean().item())
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])

@@ -32,15 +32,6 @@ def tiny(tmp_path_factory):
     return out, model, tok, S.VLLMSampler(out, tok, seed=0, max_model_len=512)
 
 
-def gap(model, tok, ro, temperature):
-    """Mean |trainer − engine| log-prob over every sampled token, the RL scripts' train/sampler_gap."""
-    ids, attn, mask, engine_logp = S.rollout_batch(ro, list(range(len(ro.completion_ids))), tok.pad_token_id)
-    with torch.no_grad():
-        logp = C.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]    # (b, T-1)
-    sel = mask[:, 1:].bool()
-    return (logp - engine_logp).abs()[sel].mean().item()
-
-
 def test_prompts_go_in_as_the_trainers_token_ids_and_come_back_decoded_by_it(tiny):
     _, model, tok, engine = tiny
     engine.sync(model)
@@ -57,7 +48,7 @@ def test_sampled_logprobs_equal_an_hf_forward_at_the_sampling_temperature(tiny, 
     engine.sync(model)
     ro = engine.generate(PROMPTS, n=8, temperature=temperature, max_new_tokens=48, seed=2)
     assert sum(map(len, ro.completion_ids)) > 300
-    assert gap(model, tok, ro, temperature) <= 1e-4
+    assert S.logprob_gap(model, tok, ro, temperature) <= 1e-4
 
 
 def test_sync_moves_the_trainers_weights_into_the_engine(tiny):
@@ -69,10 +60,10 @@ def test_sync_moves_the_trainers_weights_into_the_engine(tiny):
         for p in moved.parameters():
             p.add_(0.05 * torch.randn_like(p))
     ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
-    before = gap(moved, tok, ro, 1.0)
+    before = S.logprob_gap(moved, tok, ro, 1.0)
     engine.sync(moved)
     ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
-    after = gap(moved, tok, ro, 1.0)
+    after = S.logprob_gap(moved, tok, ro, 1.0)
     engine.sync(model)  # the module's engine back to the checkpoint for the other tests
     assert before > 1e-2 and after <= 1e-4, (before, after)
 
