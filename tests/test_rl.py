@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import common as C
-from checkpoints import save_checkpoint
 import grpo
 import rloo
 import sampler as S
@@ -185,15 +184,6 @@ def test_score_rollouts_sparse_dense_and_wrong_reward():
         exact, reward = S.score_rollouts(ro, tasks, "sparse", wrong)
         assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
         assert torch.equal(reward, torch.tensor([[1.0, wrong], [0.0, wrong]]))
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    tok = C.build_tiny_tokenizer()
-    save_checkpoint(C.build_tiny_model(tok), tok, str(out))
-    return str(out)
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "grpo.py"])

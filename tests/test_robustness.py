@@ -34,13 +34,9 @@ def one_line_error(r, message):
     assert message in line and "\n" not in line, r.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("tiny"))
-    torch.manual_seed(0)
-    tok = C.build_tiny_tokenizer()
-    save_checkpoint(C.build_tiny_model(tok), tok, out)
-    return out
+@pytest.fixture
+def ckpt(tiny_ckpt):  # tests/conftest.py
+    return tiny_ckpt
 
 
 def commands(ckpt):

@@ -12,7 +12,6 @@ import torch
 
 import common as C
 import sampler as S
-from checkpoints import save_checkpoint
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed: the lane's venv is in README, Tests")
@@ -22,14 +21,10 @@ PROMPTS = [C.make_prompt([3, 7, 12], 33, "compact"), C.make_prompt([15, 4, 9], 5
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_ckpt):
     """(checkpoint dir, trainer model, tokenizer, engine): one engine for the module, ~20 s to start."""
-    out = str(tmp_path_factory.mktemp("tiny"))
-    torch.manual_seed(0)
-    tok = C.build_tiny_tokenizer()
-    save_checkpoint(C.build_tiny_model(tok), tok, out)
-    model, tok = C.load_model(out)
-    return out, model, tok, S.VLLMSampler(out, tok, seed=0, max_model_len=512)
+    model, tok = C.load_model(tiny_ckpt)
+    return tiny_ckpt, model, tok, S.VLLMSampler(tiny_ckpt, tok, seed=0, max_model_len=512)
 
 
 def test_prompts_go_in_as_the_trainers_token_ids_and_come_back_decoded_by_it(tiny):
