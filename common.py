@@ -61,9 +61,7 @@ def seed_everything(seed):
 
 
 def warmup_lr(opt, lr, step, warmup_steps):
-    """Set and return the lr of 1-based `step`: linear from lr/warmup_steps up to lr, then constant. A function
-    of the step alone, so --resume needs no scheduler state. Why warm up at all: Adam's first update moves
-    every weight by about the lr whatever the gradient, and at 1e-3 that wrecked the tiny policy (docs/arithmetic.md)."""
+    """Set and return step's lr: linear up to `lr` over warmup_steps, then constant; stateless, so --resume needs none."""
     lr = lr * min(1.0, step / warmup_steps) if warmup_steps > 0 else lr
     for group in opt.param_groups:
         group["lr"] = lr

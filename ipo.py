@@ -98,7 +98,7 @@ def pair_report(loss, h, w, l, rw, rl):
             "chosen_delta": w - rw, "rejected_delta": l - rl}
 
 
-def build_pairs(args, model, tok, sampler):
+def build_pairs(args, sampler):
     """(prompt, chosen, rejected) triples and a one-line report of how they were made."""
     if args.pairs not in ("onpolicy", "solver"):
         rows = load_records(args.pairs, "train", ["prompt", "chosen", "rejected"])
@@ -137,7 +137,7 @@ def main(argv=None):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_new_tokens)
-    pairs, report = build_pairs(args, model, tok, sampler)
+    pairs, report = build_pairs(args, sampler)
     random.Random(args.seed).shuffle(pairs)
     n_held = int(args.heldout * len(pairs))
     held, pairs = pairs[:n_held], pairs[n_held:]

@@ -49,7 +49,7 @@ def test_length_norm_and_rpo_anchor():
 
 def test_solver_pairs_are_verified_and_hard():
     args = SimpleNamespace(pairs="solver", data=GEN, num_prompts=20, template="compact", seed=0)
-    pairs, report = ipo.build_pairs(args, None, None, None)
+    pairs, report = ipo.build_pairs(args, None)
     tasks = C.load_tasks(GEN, "train", 20)
     assert len(pairs) >= 18 and "solver pairs" in report
     for (p, chosen, rejected), t in zip(pairs, tasks):
