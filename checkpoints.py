@@ -28,21 +28,22 @@ def save_checkpoint(model, tokenizer, output_dir):
 STATE_KEEP = 2  # resumable states kept in OUTPUT_DIR/state/ (the newest)
 
 
-def prepare_run(args):
-    """Before a script writes anything: `--resume DIR` continues the run in DIR (it becomes the output dir);
-    else a non-empty --output_dir is refused unless --overwrite, which clears what a run appends to."""
-    if args.resume:
-        if not latest_state(args.resume):
-            raise CountdownError(f"--resume {args.resume}: no saved training state in {args.resume}/state "
+def prepare_run(output_dir, resume="", overwrite=False):
+    """Before a script writes anything, the dir it will write to: `--resume DIR` continues the run in DIR;
+    else a non-empty output_dir is refused unless --overwrite, which clears what a run appends to."""
+    if resume:
+        if not latest_state(resume):
+            raise CountdownError(f"--resume {resume}: no saved training state in {resume}/state "
                                  "(runs save one every --save_every steps); start it again with --overwrite")
-        args.output_dir = args.resume
-    elif os.path.isdir(args.output_dir) and os.listdir(args.output_dir):
-        if not args.overwrite:
-            raise CountdownError(f"--output_dir {args.output_dir} is not empty: pass --overwrite to start it again, "
-                                 f"--resume {args.output_dir} to continue it, or another --output_dir")
-        shutil.rmtree(os.path.join(args.output_dir, "state"), ignore_errors=True)
+        return resume
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        if not overwrite:
+            raise CountdownError(f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
+                                 f"--resume {output_dir} to continue it, or another --output_dir")
+        shutil.rmtree(os.path.join(output_dir, "state"), ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(args.output_dir, "metrics.jsonl"))
+            os.remove(os.path.join(output_dir, "metrics.jsonl"))
+    return output_dir
 
 
 def latest_state(output_dir):
@@ -79,7 +80,7 @@ def load_state(output_dir, model, opt, sched=None, rng=None, ref=None):
         sched.load_state_dict(s["scheduler"])
     random.setstate(s["python_rng"])
     torch.set_rng_state(s["torch_rng"])
-    if rng is not None:
+    if rng is not None and s["rng"] is not None:
         rng.setstate(s["rng"])
     if ref is not None:
         ref.load_state_dict(s["ref"])
@@ -87,14 +88,15 @@ def load_state(output_dir, model, opt, sched=None, rng=None, ref=None):
     return s["step"], s["extra"]
 
 
-def step_is_finite(step, loss, grad_norm, args):
+def step_is_finite(step, loss, grad_norm, skip_nonfinite, output_dir):
     """True when the loss and the gradient norm are finite. Otherwise stop with one line naming the step
-    and the last good state (left intact), or with --skip_nonfinite return False: the caller drops the step."""
+    and the last good state (left intact), or with skip_nonfinite return False: the caller drops the step."""
     if math.isfinite(loss) and math.isfinite(float(grad_norm)):
         return True
-    if args.skip_nonfinite:
+    if skip_nonfinite:
         return False
-    last = latest_state(args.output_dir) or "none yet (lower --save_every)"
-    raise CountdownError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at step {step} (loss {loss}, "
-                         f"grad norm {float(grad_norm)}): stopped. Last good state: {last}. Continue with --resume "
-                         f"{args.output_dir} and a lower --lr, or pass --skip_nonfinite to drop such steps")
+    last = latest_state(output_dir) or "none yet (lower --save_every)"
+    what = "loss" if not math.isfinite(loss) else "gradient"
+    raise CountdownError(f"non-finite {what} at step {step} (loss {loss}, grad norm {float(grad_norm)}): stopped. "
+                         f"Last good state: {last}. Continue with --resume {output_dir} and a lower --lr, "
+                         "or pass --skip_nonfinite to drop such steps")

@@ -21,8 +21,17 @@ from math import comb, nan
 
 import torch
 
-from common import CountdownError, arg, autocast, cli, device_and_dtype, load_model, load_tasks, \
-    make_prompt, parse_args, read_jsonl, seed_everything
+from common import (
+    CountdownError,
+    arg,
+    autocast,
+    cli,
+    device_and_dtype,
+    parse_args,
+    seed_everything,
+)
+from data import load_tasks, make_prompt, read_jsonl
+from models import load_model
 from sampler import HFSampler, make_sampler
 from verifier import _OPS, score
 
@@ -123,18 +132,18 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
     return summarize(records), records
 
 
-def eval_metrics(model, tokenizer, tasks, args, sampler=None):
-    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the script's eval flags
-    (eval_samples, eval_max_new_tokens, template, seed) and the papers' fixed sampler. `sampler`: the
-    script's own (a vLLM engine is woken and synced to `model` first); None: HF sampling with `model`."""
+def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler=None):
+    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed sampler.
+    `sampler`: the script's own (a vLLM engine is woken and synced to `model` first); None: HF sampling
+    with `model`."""
     was_training = model.training
     model.eval()
     if sampler is not None:
         sampler.wake()
         sampler.sync(model)
     with torch.no_grad(), autocast(model.device.type):
-        summary, _ = evaluate(model, tokenizer, tasks, args.eval_samples, max_new_tokens=args.eval_max_new_tokens,
-                              template=args.template, seed=args.seed, sampler=sampler)
+        summary, _ = evaluate(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens, template=template,
+                              seed=seed, sampler=sampler)
     if sampler is not None:
         sampler.sleep()
     model.train(was_training)

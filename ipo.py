@@ -17,46 +17,37 @@ CPU (embedded): the `ipo` stage of run_cpu.sh, which prints its exact command.
 import copy
 import math
 import random
-import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
-from common import CountdownError, Logger, arg, autocast, cli, load_model, load_records, load_tasks, \
-    make_prompt, parse_args, seed_everything, token_stats, tokenize_pairs
+from checkpoints import prepare_run
+from common import CountdownError, TrainArgs, arg, autocast, cli, parse_args, seed_everything
+from data import load_records, load_tasks, make_prompt
 from evaluate import eval_metrics
+from logprobs import token_stats, tokenize_pairs
+from loop import Run, StepStats, load_policy
 from sampler import make_sampler
 from verifier import dense_score, extract_answer, flip_operator, make_trace, score
 
 
 @dataclass
-class Args:
-    # shared by every script, in this order
+class Args(TrainArgs):
+    # shared, with this script's defaults (000 Table 4)
     init: str = arg("out/sft", "checkpoint to start from; also the frozen reference")
     data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks whose prompts the pairs are built on")
-    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic pass@k (its `val` split)")
     output_dir: str = arg("out/ipo", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for pairing, shuffling and sampling")
-    template: str = arg("base", "prompt template: base | compact")
     lr: float = arg(5e-6, "peak learning rate (000 Table 4)")
     batch_size: int = arg(1024, "pairs per optimizer step (000 Table 4: 64 x 16 accumulation)")
     micro_batch: int = arg(16, "pairs per forward/backward; batch_size must be a multiple")
     weight_decay: float = arg(0.01, "AdamW weight decay (000 Table 4)")
-    grad_clip: float = arg(1.0, "global grad-norm clip (000 Table 4)")
     max_prompt_len: int = arg(512, "prompts longer than this are an error (000 Table 4)")
     max_response_len: int = arg(1024, "responses are truncated to this (000 Table 4)")
     eval_every: int = arg(0, "steps between held-out evaluations (0: only at start and end)")
-    eval_problems: int = arg(200, "held-out problems per evaluation")
-    eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
-    eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
-    wandb_project: str = arg("", "log to this wandb project too (off when empty)")
     save_every: int = arg(100, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
-    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes --output_dir)")
-    overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
-    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
     # IPO specific
     beta: float = arg(0.05, "IPO β: the target margin is 1/(2β) nats (000 Table 4: 0.05, selected over 0.1; 001: 0.1)")
     length_norm: bool = arg(False, "average log-probs over response tokens (001) instead of summing")
@@ -71,6 +62,7 @@ class Args:
     max_new_tokens: int = arg(1024, "onpolicy: generation budget for the pairs")
     backend: str = arg("hf", "sampler of the pairs and evaluations: hf (plain PyTorch, CPU ok) | vllm (sampler.py)")
     heldout: float = arg(0.1, "share of prompts whose pairs are held out for eval/pref_acc")
+
 
 
 def ipo_loss(logp_w, logp_l, ref_w, ref_l, beta):
@@ -98,46 +90,74 @@ def pair_report(loss, h, w, l, rw, rl):
             "chosen_delta": w - rw, "rejected_delta": l - rl}
 
 
-def build_pairs(args, sampler):
-    """(prompt, chosen, rejected) triples and a one-line report of how they were made."""
-    if args.pairs not in ("onpolicy", "solver"):
-        rows = load_records(args.pairs, "train", ["prompt", "chosen", "rejected"])
-        return [(r["prompt"], r["chosen"], r["rejected"]) for r in rows], f"{len(rows)} pairs from {args.pairs}"
-    tasks = load_tasks(args.data, "train", args.num_prompts)
-    prompts = [make_prompt(t["nums"], t["target"], args.template) for t in tasks]
-    rng, pairs = random.Random(args.seed), []
-    if args.pairs == "solver":  # paper 001 "scripted": a solver trace vs the same trace, operator flipped
+def build_pairs(pairs, data, num_prompts, template, sampler, group_size, temperature, max_new_tokens, rejected,
+                seed):
+    """(prompt, chosen, rejected) triples and a one-line report of how they were made: from a file or
+    dataset, from the solver (a trace vs the same trace with an operator flipped), or on-policy from
+    `sampler` (a correct and a wrong sample of the init on the same prompt)."""
+    if pairs not in ("onpolicy", "solver"):
+        rows = load_records(pairs, "train", ["prompt", "chosen", "rejected"])
+        return [(r["prompt"], r["chosen"], r["rejected"]) for r in rows], f"{len(rows)} pairs from {pairs}"
+    tasks = load_tasks(data, "train", num_prompts)
+    prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
+    rng, out = random.Random(seed), []
+    if pairs == "solver":  # paper 001 "scripted": a solver trace vs the same trace, operator flipped
         for p, t in zip(prompts, tasks):
             trace = make_trace(t["nums"], t["target"], rng)
             neg = flip_operator(extract_answer(trace), t["nums"], t["target"], rng)
             if neg is not None:
-                pairs.append((p, trace, trace.replace(f"<answer>{extract_answer(trace)}</answer>", f"<answer>{neg}</answer>")))
-        return pairs, f"{len(pairs)} solver pairs from {len(prompts)} prompts"
-    ro = sampler.generate(prompts, args.group_size, args.temperature, 1.0, 0, args.max_new_tokens, args.seed)  # the init's
+                wrong = trace.replace(f"<answer>{extract_answer(trace)}</answer>", f"<answer>{neg}</answer>")
+                out.append((p, trace, wrong))
+        return out, f"{len(out)} solver pairs from {len(prompts)} prompts"
+    ro = sampler.generate(prompts, group_size, temperature, 1.0, 0, max_new_tokens, seed)  # the init's samples
     sampler.sleep()
     for i, (p, t) in enumerate(zip(prompts, tasks)):
-        texts = ro.texts[i * args.group_size:(i + 1) * args.group_size]
+        texts = ro.texts[i * group_size:(i + 1) * group_size]
         good = [x for x in texts if score(x, t["nums"], t["target"]) == 1.0]
-        bad = [x for x in texts if (dense_score(x, t["nums"], t["target"]) > 0.1 if args.rejected == "near_miss"
+        bad = [x for x in texts if (dense_score(x, t["nums"], t["target"]) > 0.1 if rejected == "near_miss"
                                     else score(x, t["nums"], t["target"]) < 1.0)]
         if good and bad:  # prompts the model always or never solves give no pair
-            pairs.append((p, rng.choice(good), rng.choice(bad)))
-    return pairs, f"{len(pairs)} on-policy pairs from {len(prompts)} prompts x {args.group_size} samples"
+            out.append((p, rng.choice(good), rng.choice(bad)))
+    return out, f"{len(out)} on-policy pairs from {len(prompts)} prompts x {group_size} samples"
+
+
+def seq_logps(net, chunk, tok, length_norm, max_prompt_len, max_response_len):
+    """Log-probs of chosen and rejected under `net` for a list of pairs: (b,) each, plus the chosen
+    per-token log-probs and mask for the RPO anchor. One forward over the 2b sequences."""
+    ps, ws, ls = zip(*chunk)
+    ids, attn, mask = (x.to(net.device) for x in tokenize_pairs(tok, list(ps) * 2, list(ws) + list(ls),
+                                                                 max_prompt_len, max_response_len))
+    with autocast(net.device.type, net):
+        logp = token_stats(net, ids, attn, mask)["logp"]                          # (2b, T-1)
+    m = mask[:, 1:].float()
+    seq = sequence_logp(logp, m, length_norm)                                     # (2b,)
+    b = len(chunk)
+    return seq[:b], seq[b:], logp[:b], m[:b]
+
+
+@torch.no_grad()
+def heldout_metrics(logps, model, ref, held, beta, micro_batch):
+    """eval/ means of pair_report over the held-out pairs: preference accuracy, margin, log-prob shifts."""
+    sums = {}
+    for s in range(0, len(held), micro_batch):
+        w, l, _, _ = logps(model, held[s:s + micro_batch])
+        rw, rl, _, _ = logps(ref, held[s:s + micro_batch])
+        for k, v in pair_report(*ipo_loss(w, l, rw, rl, beta), w, l, rw, rl).items():
+            sums[k] = sums.get(k, 0.0) + v.sum().item()
+    return {f"eval/{k}": v / len(held) for k, v in sums.items()}
 
 
 def main(argv=None):
     args = parse_args(Args, argv)
     if args.batch_size % args.micro_batch:
         raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch {args.micro_batch}")
-    prepare_run(args)  # refuse to write over a run, or point --resume at one
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
     seed_everything(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_model(args.init, device, torch.float32)
+    model, tok, device = load_policy(args.init, args.gradient_checkpointing)
     ref = copy.deepcopy(model).eval().requires_grad_(False)  # π_ref: the frozen init
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_new_tokens)
-    pairs, report = build_pairs(args, sampler)
+    pairs, report = build_pairs(args.pairs, args.data, args.num_prompts, args.template, sampler, args.group_size,
+                                args.temperature, args.max_new_tokens, args.rejected, args.seed)
     random.Random(args.seed).shuffle(pairs)
     n_held = int(args.heldout * len(pairs))
     held, pairs = pairs[:n_held], pairs[n_held:]
@@ -149,76 +169,34 @@ def main(argv=None):
     total = max(1, math.ceil(args.epochs * len(pairs) / batch))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
+    logps = partial(seq_logps, tok=tok, length_norm=args.length_norm, max_prompt_len=args.max_prompt_len,
+                    max_response_len=args.max_response_len)
+    evaluate = lambda: {  # noqa: E731  pass@k of the policy and its held-out preference accuracy
+        **eval_metrics(model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens, args.template, args.seed,
+                       sampler), **(heldout_metrics(logps, model, ref, held, args.beta, args.micro_batch) if held else {})}
     # --resume: the pairs were rebuilt above from the init, as the first time; now the trained state
-    start, extra = load_state(args.output_dir, model, opt, sched) if args.resume else (0, {})
-    order, skipped = extra.get("order", []), extra.get("skipped", 0)
-    log = Logger(args.output_dir, total, args, args.wandb_project, start)
-
-    def seq_logps(net, chunk):
-        """Policy or reference log-probs of chosen and rejected for a list of pairs: (b,) each, plus the
-        chosen per-token log-probs and mask for the RPO anchor. One forward over the 2b sequences."""
-        ps, ws, ls = zip(*chunk)
-        ids, attn, mask = (x.to(device) for x in tokenize_pairs(tok, list(ps) * 2, list(ws) + list(ls),
-                                                                 args.max_prompt_len, args.max_response_len))
-        with autocast(device, net):
-            logp = token_stats(net, ids, attn, mask)["logp"]                      # (2b, T-1)
-        m = mask[:, 1:].float()
-        seq = sequence_logp(logp, m, args.length_norm)                            # (2b,)
-        b = len(chunk)
-        return seq[:b], seq[b:], logp[:b], m[:b]
-
-    def heldout_metrics():
-        sums = {}
-        with torch.no_grad():
-            for s in range(0, len(held), args.micro_batch):
-                w, l, _, _ = seq_logps(model, held[s:s + args.micro_batch])
-                rw, rl, _, _ = seq_logps(ref, held[s:s + args.micro_batch])
-                for k, v in pair_report(*ipo_loss(w, l, rw, rl, args.beta), w, l, rw, rl).items():
-                    sums[k] = sums.get(k, 0.0) + v.sum().item()
-        return {f"eval/{k}": v / len(held) for k, v in sums.items()}
-
-    def evaluation():
-        return {**eval_metrics(model, tok, eval_tasks, args, sampler), **(heldout_metrics() if held else {})}
-
-    if not start:
-        log.log(0, evaluation())  # the start: pass@k of the init and its held-out preference accuracy
-    for step in range(start + 1, total + 1):
-        t0 = time.time()
+    run = Run(output_dir, total, model, tok, opt, evaluate, sched=sched, **args.run_options(output_dir))
+    for step in run.steps():
         # ---- batch of pairs (reshuffled every epoch) ----
-        if len(order) < batch:
-            order = random.Random(args.seed + step).sample(range(len(pairs)), len(pairs))
-        idx, order = order[:batch], order[batch:]
-        sums = {}
+        if len(run.order) < batch:
+            run.order = random.Random(args.seed + step).sample(range(len(pairs)), len(pairs))
+        idx, run.order = run.order[:batch], run.order[batch:]
         # ---- forward / backward per micro-batch: policy and reference log-probs, Eq. 2 (+ RPO) ----
+        stats = StepStats(batch, 0)
         for s in range(0, batch, args.micro_batch):
             chunk = [pairs[i] for i in idx[s:s + args.micro_batch]]
-            w, l, logp_w_tok, mask_w = seq_logps(model, chunk)
+            w, l, logp_w_tok, mask_w = logps(model, chunk)
             with torch.no_grad():
-                rw, rl, _, _ = seq_logps(ref, chunk)
-            loss, h = ipo_loss(w, l, rw, rl, args.beta)
-            nll = rpo_nll(logp_w_tok, mask_w)
+                rw, rl, _, _ = logps(ref, chunk)
+            loss, h = ipo_loss(w, l, rw, rl, args.beta)                               # (b,) each
+            nll = rpo_nll(logp_w_tok, mask_w)                                          # (b,)
             ((loss + args.rpo_alpha * nll).sum() / batch).backward()
             for k, v in {**pair_report(loss, h, w, l, rw, rl), "rpo_nll": nll}.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().sum().item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        if step_is_finite(step, sums["loss"], grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
-            opt.step()
-        else:
-            skipped += 1
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        # ---- log, evaluate, checkpoint ----
-        metrics = {f"train/{k}": v / batch for k, v in sums.items()}
-        metrics.update({"train/lr": sched.get_last_lr()[0], "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
-                        "time/step": time.time() - t0})
-        if step == total or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(evaluation())
-            save_checkpoint(model, tok, args.output_dir)
-        log.log(step, metrics)
-        if step == total or step % args.save_every == 0:
-            save_state(args.output_dir, step, model, opt, sched, order=order, skipped=skipped)
-    log.close()
-    print(f"saved {args.output_dir}")
+                stats.add(k, v.detach().sum().item())
+        # ---- optimizer step, then log, evaluate, checkpoint ----
+        run.optimizer_step(step, stats.sums["loss"])
+        run.end_step(step, {f"train/{k}": v / batch for k, v in stats.sums.items()})
+    run.close()
     return model, ref
 
 

@@ -17,64 +17,58 @@ Departures from the paper:
      log-probs of the sampling distribution (logits / T, T = 0.7) on both sides of ρ.
   4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8 (README, "RLT").
 
-Real (1×H100):  python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
+Real (1×H100):
+  python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
 CPU (embedded): the `rlt` stage of run_cpu.sh, which prints its exact command.
 """
 import copy
 import json
 import os
-import random
-import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from checkpoints import load_state, prepare_run, save_checkpoint, save_state, step_is_finite
-from common import CountdownError, Logger, arg, autocast, check_same_tokenizer, cli, load_model, load_tasks, \
-    make_prompt, parse_args, seed_everything, token_stats, warmup_lr
-from sampler import make_sampler, rollout_batch
+from checkpoints import prepare_run
+from common import CountdownError, RLArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
+from data import load_tasks, make_prompt
+from logprobs import token_stats
+from loop import Run, StepStats, load_policy, mix_reference, step_seed
+from models import check_same_tokenizer, load_model
+from sampler import make_sampler, micro_batches
 from verifier import solve
 
 
 @dataclass
-class Args:
-    # shared by every script, in this order
+class Args(RLArgs):
+    # shared, with this script's defaults (004 Table 3)
     init: str = arg("out/sft", "checkpoint the teacher starts from (004: after a short SFT in its format)")
-    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks to explain (its train split; unsolvable ones are skipped)")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks to explain (its train split; unsolvable ones "
+                                                      "are skipped)")
     eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic held-out reward (its `val` split)")
     output_dir: str = arg("out/rlt", "where the checkpoint, args.json and metrics.jsonl go")
-    seed: int = arg(0, "seed for task order and sampling")
     template: str = arg("base", "prompt template of the student format: base | compact")
     lr: float = arg(1e-6, "constant learning rate (004 Table 3)")
-    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, as the paper)")
-    batch_size: int = arg(16, "prompts per step; each gets --group_size explanations (004 Table 3: 1024 = 16 x 64)")
+    batch_size: int = arg(16, "prompts per step; each gets --group_size explanations (004 Table 3: "
+                              "1024 = 16 x 64)")
     micro_batch: int = arg(8, "rows per forward/backward (bounds memory)")
     weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 3)")
     grad_clip: float = arg(1.0, "global grad-norm clip (004 Table 3)")
-    max_prompt_len: int = arg(512, "prompts longer than this are an error")
     max_response_len: int = arg(1024, "explanation budget in new tokens; one cut before </think> gets --penalty")
     eval_every: int = arg(25, "steps between held-out evaluations (0: only at start and end)")
-    eval_problems: int = arg(200, "held-out problems per evaluation")
     eval_samples: int = arg(4, "explanations per held-out problem")
-    eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
-    wandb_project: str = arg("", "log to this wandb project too (off when empty)")
-    save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
-    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes --output_dir)")
-    overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
-    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
-    # on-policy RL, shared by rloo/grpo/opd/rlt (no --reward: the reward is the RLT one)
     max_steps: int = arg(125, "rollout batches, one optimizer step each (004 Table 3; 0: only --export)")
     group_size: int = arg(64, "G explanations per prompt (004 Table 3: 64)")
     temperature: float = arg(0.7, "sampling temperature; log-probs are of logits / T (004 Table 3: 0.7)")
-    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     # RLT specific
     student: str = arg("out/sft", "the frozen student whose log-probs make the reward; shares the tokenizer")
     lam: float = arg(3.0, "λ, weight of r_KL (004 Table 3: 3)")
     alpha: float = arg(0.01, "α, weight of the min / max terms in r_SS / r_KL (004 Table 3: 0.01)")
-    penalty: float = arg(-1.0, "added to the reward of an explanation that never closes </think> (004 §A.1, Table 3: −1)")
+    penalty: float = arg(-1.0, "added to the reward of an explanation that never closes </think> "
+                               "(004 §A.1, Table 3: −1)")
     beta: float = arg(0.04, "β, weight of the KL to the reference teacher (004 Table 3)")
-    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: DeepSeekMath's k3, KL(π_ref‖π_θ)'s)")
+    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: DeepSeekMath's k3, "
+                               "KL(π_ref‖π_θ)'s)")
     epsilon: float = arg(0.2, "PPO clip ε (DeepSeekMath and TRL: 0.2)")
     ref_sync_every: int = arg(32, "every N steps π_ref ← mix · π_θ + (1 − mix) · π_ref (004 Table 3: 32; 0: never)")
     ref_sync_mix: float = arg(0.9, "the mixup of a reference sync (004 Table 3: 0.9)")
@@ -118,17 +112,19 @@ def rlt_reward(logp, kl, sol_mask, expl_mask, alpha, lam):
 
 
 @torch.no_grad()
-def score_explanations(teacher, student, tok, tasks, sols, explanations, penalized, args, device):
-    """r, r_SS, r_KL (N,) for N explanations; r gets --penalty added where `penalized`. Each row is run twice,
-    aligned token for token: the student reads q + e + s, the teacher q + s + e (its own format). The
-    student's copy is left-padded so both prompts end at the same position (RoPE sees only relative positions)."""
+def score_explanations(teacher, student, tok, tasks, sols, explanations, penalized, template, alpha, lam, penalty,
+                       micro_batch, device):
+    """r, r_SS, r_KL (N,) for N explanations; r gets `penalty` added where `penalized`. Each row is run
+    twice, aligned token for token: the student reads q + e + s, the teacher q + s + e (its own format).
+    The student's copy is left-padded so both prompts end at the same position (RoPE sees only relative
+    positions)."""
     N = len(tasks)
     out = torch.zeros(3, N)
     enc = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    for s in range(0, N, args.micro_batch):
-        rows = list(range(s, min(s + args.micro_batch, N)))
-        P_t = enc([teacher_prompt(tasks[i], sols[i], args.template) for i in rows])
-        P_s = enc([student_prompt(tasks[i], args.template) for i in rows])
+    for s in range(0, N, micro_batch):
+        rows = list(range(s, min(s + micro_batch, N)))
+        P_t = enc([teacher_prompt(tasks[i], sols[i], template) for i in rows])
+        P_s = enc([student_prompt(tasks[i], template) for i in rows])
         E = enc([explanations[i] for i in rows])
         S = enc([f"{sols[i]}</answer>" for i in rows])
         tail = enc(["</think>\n<answer>"])[0]
@@ -147,9 +143,9 @@ def score_explanations(teacher, student, tok, tasks, sols, explanations, penaliz
             st = token_stats(student, ids_s.to(device), attn_s.to(device), (expl_mask + sol_mask).to(device),
                              teacher=teacher, teacher_inputs=(ids_t.to(device), attn_t.to(device)))
         r, r_ss, r_kl = rlt_reward(st["logp"], st["kl"], sol_mask[:, 1:].to(device).float(),
-                                   expl_mask[:, 1:].to(device).float(), args.alpha, args.lam)
+                                   expl_mask[:, 1:].to(device).float(), alpha, lam)
         out[:, rows] = torch.stack([r, r_ss, r_kl]).float().cpu()
-    return out[0] + args.penalty * torch.tensor(penalized, dtype=torch.float32), out[1], out[2]  # 004 §A.1: added
+    return out[0] + penalty * torch.tensor(penalized, dtype=torch.float32), out[1], out[2]  # 004 §A.1: added
 
 
 # ---- the GRPO update, with 004's choices -----------------------------------------------------------
@@ -158,20 +154,22 @@ def grpo_advantages(reward, eps=1e-4):
     return (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + eps)
 
 
-def rlt_loss(logp, old_logp, ref_logp, mask, adv, args):
-    """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β D_KL(π_θ ‖ π_ref), averaged over each
-    rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None), mask: (b, T-1); adv: (b,).
-    D_KL is k3 (r = π_ref/π_θ), times ρ with --kl_ratio so that its gradient is KL(π_θ ‖ π_ref)'s (grpo.py)."""
+def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
+    """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β D_KL(π_θ ‖ π_ref), averaged over
+    each rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None), mask: (b, T-1);
+    adv: (b,). D_KL is k3 (r = π_ref/π_θ), times ρ with kl_ratio so that its gradient is
+    KL(π_θ ‖ π_ref)'s (grpo.py)."""
     ratio = (logp - old_logp).exp()                                                    # (b, T-1)
     A = adv[:, None]
-    surrogate = torch.min(ratio * A, ratio.clamp(1 - args.epsilon, 1 + args.epsilon) * A)
+    surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon) * A)
     log_r = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
     kl = log_r.exp() - 1 - log_r                                                       # (b, T-1) k3
-    kl = ratio * kl if args.kl_ratio else kl
-    per_token = -surrogate + args.beta * kl
+    kl = ratio * kl if kl_ratio else kl
+    per_token = -surrogate + beta * kl
     return (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1), {"kl": kl.detach()}
 
 
+# ---- which problems, and the teacher's explanations -------------------------------------------------
 def solved(tasks, n=None):
     """(task, solver equation) for the first n tasks that have one."""
     out = []
@@ -183,64 +181,71 @@ def solved(tasks, n=None):
     return out
 
 
-def explain(sampler, model, tok, tasks, sols, n, args, seed, max_new_tokens):
+def next_solved(run, tasks, n):
+    """The next n solvable tasks of the run's shuffled order, as (task, solution): unsolvable tasks drop
+    out, so draw until n are in (reshuffling when the order runs out)."""
+    batch = []
+    while len(batch) < n:
+        if not run.order:
+            run.order = run.rng.sample(range(len(tasks)), len(tasks))
+        take, run.order = run.order[:n - len(batch)], run.order[n - len(batch):]
+        batch += solved([tasks[i] for i in take])
+    return batch
+
+
+def explain(sampler, model, tok, tasks, sols, n, template, max_prompt_len, temperature, max_new_tokens, seed):
     """n teacher completions per task; returns (Rollouts, explanations, penalized flags)."""
-    prompts = [teacher_prompt(t, s, args.template) for t, s in zip(tasks, sols)]
-    if max(map(len, tok(prompts, add_special_tokens=False)["input_ids"])) > args.max_prompt_len:
-        raise CountdownError(f"a teacher prompt (question + solution) is longer than --max_prompt_len {args.max_prompt_len}")
+    prompts = [teacher_prompt(t, s, template) for t, s in zip(tasks, sols)]
+    if max(map(len, tok(prompts, add_special_tokens=False)["input_ids"])) > max_prompt_len:
+        raise CountdownError(f"a teacher prompt (question + solution) is longer than --max_prompt_len {max_prompt_len}")
     sampler.wake()
     sampler.sync(model)
-    ro = sampler.generate(prompts, n, args.temperature, 1.0, 0, max_new_tokens, seed)
+    ro = sampler.generate(prompts, n, temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()
     expl, penalized = zip(*map(explanation_of, ro.texts))
     return ro, list(expl), list(penalized)
 
 
-def held_out(sampler, model, student, tok, tasks, sols, args, device):
-    """eval/ metrics: the RLT reward of fresh explanations of held-out problems (004 §4.5's analysis)."""
-    ro, expl, pen = explain(sampler, model, tok, tasks, sols, args.eval_samples, args, args.seed,
-                            args.eval_max_new_tokens)
-    rep = lambda xs: [x for x in xs for _ in range(args.eval_samples)]  # noqa: E731
-    r, r_ss, r_kl = score_explanations(model, student, tok, rep(tasks), rep(sols), expl, pen, args, device)
+def held_out(explain_fn, score_fn, tasks, sols, n):
+    """eval/ metrics: the RLT reward of n fresh explanations per held-out problem (004 §4.5's analysis)."""
+    ro, expl, pen = explain_fn(tasks, sols, n)
+    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+    r, r_ss, r_kl = score_fn(rep(tasks), rep(sols), expl, pen)
     return {"eval/reward": r.mean(), "eval/r_ss": r_ss.mean(), "eval/r_kl": r_kl.mean(),
             "eval/penalized": sum(pen) / len(pen)}
 
 
-def export_traces(sampler, model, student, tok, tasks, sols, args, device):
-    """sft.py-ready JSONL: per problem the best-r_SS explanation of --export_best_of, in the student format."""
-    k, written = args.export_best_of, 0
-    os.makedirs(os.path.dirname(os.path.abspath(args.export)), exist_ok=True)
-    with open(args.export + ".tmp", "w") as f:
+def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
+    """sft.py-ready JSONL: per problem the best-r_SS explanation of k, in the student format."""
+    written = 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
         for s in range(0, len(tasks), 256):
             ts, ss = tasks[s:s + 256], sols[s:s + 256]
-            ro, expl, pen = explain(sampler, model, tok, ts, ss, k, args, args.seed + 1 + s, args.max_response_len)
-            _, r_ss, _ = score_explanations(model, student, tok, [t for t in ts for _ in range(k)],
-                                            [x for x in ss for _ in range(k)], expl, pen, args, device)
+            ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s)
+            _, r_ss, _ = score_fn([t for t in ts for _ in range(k)], [x for x in ss for _ in range(k)], expl, pen)
             for j, (t, sol) in enumerate(zip(ts, ss)):
                 cands = [i for i in range(j * k, (j + 1) * k) if not pen[i]]
                 if cands:  # a problem whose every explanation was penalized is left out
                     best = max(cands, key=lambda i: r_ss[i].item())
-                    f.write(json.dumps({"query": student_prompt(t, args.template), "nums": t["nums"], "target": t["target"],
-                                        "completion": student_completion(expl[best], sol), "r_ss": r_ss[best].item()}) + "\n")
+                    f.write(json.dumps({"query": student_prompt(t, template), "nums": t["nums"], "target": t["target"],
+                                        "completion": student_completion(expl[best], sol),
+                                        "r_ss": r_ss[best].item()}) + "\n")
                     written += 1
-    os.replace(args.export + ".tmp", args.export)
-    print(f"exported {written} traces of {len(tasks)} problems to {args.export}")
+    os.replace(path + ".tmp", path)
+    print(f"exported {written} traces of {len(tasks)} problems to {path}")
 
 
 def main(argv=None):
     args = parse_args(Args, argv)
+    check_rl_args(args.group_size)
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
     seed_everything(args.seed)
-    if args.group_size < 2:
-        raise CountdownError("--group_size must be at least 2: the advantage compares explanations of one prompt")
-    prepare_run(args)  # refuse to write over a run, or point --resume at one
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_model(args.init, device, torch.float32)  # fp32 master weights; bf16 compute via autocast
+    model, tok, device = load_policy(args.init, args.gradient_checkpointing)
     student, student_tok = load_model(args.student, device, torch.bfloat16 if device == "cuda" else torch.float32)
     student.eval().requires_grad_(False)
     check_same_tokenizer(tok, student_tok, args.init, args.student)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref: the initial teacher
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are skipped.
     # Solved lazily: a 490k-row hub dataset of 4-number problems would take minutes up front.
     tasks = load_tasks(args.data, "train", args.export_problems if args.max_steps == 0 else None)
@@ -249,81 +254,53 @@ def main(argv=None):
         raise CountdownError(f"no solvable tasks in {args.eval_data if not eval_tasks else args.data}")
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (004)
-    B, G, rng, order = args.batch_size, args.group_size, random.Random(args.seed), []
-    # --resume: weights, optimizer, RNGs, the moving reference and the data order: step start+1 as if never stopped
-    start, extra = load_state(args.output_dir, model, opt, rng=rng, ref=ref) if args.resume else (0, {})
-    order, skipped = extra.get("order", []), extra.get("skipped", 0)
-    log = Logger(args.output_dir, args.max_steps, args, args.wandb_project, start)
-    ev_tasks, ev_sols = [t for t, _ in eval_tasks], [s for _, s in eval_tasks]
-    if not start:
-        log.log(0, held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))  # where the init starts
-    for step in range(start + 1, args.max_steps + 1):
-        t0 = time.time()
-        lr = warmup_lr(opt, args.lr, step, args.warmup_steps)
+    explain_fn = partial(explain, sampler, model, tok, template=args.template, max_prompt_len=args.max_prompt_len,
+                         temperature=args.temperature, max_new_tokens=args.max_response_len, seed=args.seed)
+    score_fn = partial(score_explanations, model, student, tok, template=args.template, alpha=args.alpha,
+                       lam=args.lam, penalty=args.penalty, micro_batch=args.micro_batch, device=device)
+    evaluate = partial(held_out, partial(explain_fn, max_new_tokens=args.eval_max_new_tokens), score_fn,
+                       [t for t, _ in eval_tasks], [s for _, s in eval_tasks], args.eval_samples)
+    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref, **args.run_options(output_dir))
+    B, G = args.batch_size, args.group_size
+    for step in run.steps():
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
-        batch = []
-        while len(batch) < B:  # unsolvable tasks drop out: draw until B are in
-            if not order:
-                order = rng.sample(range(len(tasks)), len(tasks))
-            take, order = order[:B - len(batch)], order[B - len(batch):]
-            batch += solved([tasks[i] for i in take])
-        sols = [s for _, s in batch for _ in range(G)]
-        ro, expl, pen = explain(sampler, model, tok, [t for t, _ in batch], [s for _, s in batch], G, args,
-                                args.seed * 100_003 + step, args.max_response_len)
-        t_sample = time.time() - t0
+        batch = next_solved(run, tasks, B)
+        row_tasks, sols = [t for t, _ in batch for _ in range(G)], [s for _, s in batch for _ in range(G)]
+        ro, expl, pen = explain_fn([t for t, _ in batch], [s for _, s in batch], G, seed=step_seed(args.seed, step))
+        run.sampled()
         # ---- score (the frozen student's view) and advantage ----
-        reward, r_ss, r_kl = score_explanations(model, student, tok, [t for t, _ in batch for _ in range(G)], sols,
-                                                expl, pen, args, device)               # (B*G,) each
+        reward, r_ss, r_kl = score_fn(row_tasks, sols, expl, pen)                     # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
-        expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
-        # ---- forward / backward per micro-batch of rollouts ----
-        by_len = sorted(range(B * G), key=lambda r: len(ro.completion_ids[r]))  # micro-batches of like lengths: little padding
-        sums = {k: 0.0 for k in ("loss", "entropy", "kl")}
-        gap, n_tok = 0.0, sum(map(len, ro.completion_ids))
-        for s in range(0, B * G, args.micro_batch):
-            rows = by_len[s:s + args.micro_batch]
-            ids, attn, mask, old_logp = (x.to(device) for x in rollout_batch(ro, rows, tok.pad_token_id))
+        # ---- log-probs and loss, per micro-batch of rollouts ----
+        stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
+        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id, device):
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
                 st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)  # logits / T
                 with torch.no_grad():
                     ref_logp = None if ref is None else token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
-            loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device), args)
+            loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device), args.beta, args.epsilon,
+                                   args.kl_ratio)
             loss = loss.sum() / (B * G)                                                # 1/G Σ_i, mean over prompts
             loss.backward()
-            sums["loss"] += loss.item()
-            for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"])):
-                sums[k] += (v.detach() * m).sum().item() / n_tok  # token means over the batch
-            gap += ((st["logp"].detach() - old_logp).abs() * m).sum().item()  # the weight-sync canary
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        if step_is_finite(step, sums["loss"], grad_norm, args):  # else stop, or with --skip_nonfinite drop the step
-            opt.step()
-        else:
-            skipped += 1
-        opt.zero_grad(set_to_none=True)
+            stats.add("loss", loss.item())
+            stats.token_mean("entropy", st["entropy"], m)
+            stats.token_mean("kl", parts["kl"], m)
+            stats.sampler_gap(st["logp"], old_logp, m)
+        # ---- optimizer step, reference sync, then log, evaluate, checkpoint ----
+        run.optimizer_step(step, stats.sums["loss"])
         if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
-            with torch.no_grad():  # 004: a slowly moving reference instead of a frozen one
-                for p_ref, p in zip(ref.parameters(), model.parameters()):
-                    p_ref.mul_(1 - args.ref_sync_mix).add_(p, alpha=args.ref_sync_mix)
-        # ---- log, evaluate, checkpoint ----
-        metrics = {f"train/{k}": v for k, v in sums.items()}
-        metrics.update({"train/reward": reward.mean(), "train/r_ss": r_ss.mean(), "train/r_kl": r_kl.mean(),
-                        "train/penalized": sum(pen) / (B * G), "train/reward_std": reward.view(B, G).std(1).mean(),
-                        "train/resp_len": n_tok / (B * G), "train/expl_len": expl_tokens / (B * G),
-                        "train/truncated": 1 - sum(ro.finished) / (B * G), "train/sampler_gap": gap / n_tok,
-                        "train/lr": lr, "train/grad_norm": grad_norm, "train/skipped_steps": skipped,
-                        "time/sample": t_sample, "time/update": time.time() - t0 - t_sample, "time/step": time.time() - t0})
-        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(held_out(sampler, model, student, tok, ev_tasks, ev_sols, args, device))
-            save_checkpoint(model, tok, args.output_dir)
-        log.log(step, metrics)
-        if step == args.max_steps or step % args.save_every == 0:
-            save_state(args.output_dir, step, model, opt, rng=rng, ref=ref, order=order, skipped=skipped)
-    log.close()
+            mix_reference(ref, model, args.ref_sync_mix)  # 004: a slowly moving reference, not a frozen one
+        expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
+        run.end_step(step, {**stats.metrics(), "train/reward": reward.mean(), "train/r_ss": r_ss.mean(),
+                            "train/r_kl": r_kl.mean(), "train/penalized": sum(pen) / (B * G),
+                            "train/reward_std": reward.view(B, G).std(1).mean(), "train/expl_len": expl_tokens / (B * G),
+                            "train/resp_len": stats.n_tokens / (B * G), "train/truncated": 1 - sum(ro.finished) / (B * G)})
+    run.close()
     if args.export:
         ex = solved(tasks, args.export_problems)
-        export_traces(sampler, model, student, tok, [t for t, _ in ex], [s for _, s in ex], args, device)
-    print(f"saved {args.output_dir}" if args.max_steps else "no training steps (--max_steps 0)")
+        export_traces(args.export, explain_fn, score_fn, [t for t, _ in ex],
+                      [s for _, s in ex], args.export_best_of, args.template, args.seed)
     return model
 
 

@@ -47,7 +47,7 @@ stage() {  # stage NAME COMMAND...: run unless finished before; record its wall 
 #    training on random computation paths over the task's numbers, written as the traces write steps (no prompt,
 #    every token a target). 2,000 steps: greedy step error 1.6% (1,200: 5.8%; docs/arithmetic.md). Like a hub
 #    model it is built once (23 min on 2 cores without AVX512-BF16): a later run on the same OUT_DIR reuses it
-stage base python sft.py --model tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
+stage base python sft.py --init tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
   --batch_size 64 --micro_batch 64 --max_steps 2000 --eval_every 500 --save_every 500 --output_dir "$OUT/base"
 
 # 1. SFT from the base on solver-written traces (000 §3.2 Eq. 1): random tries until one reaches the target,
@@ -55,12 +55,12 @@ stage base python sft.py --model tiny --data "arith:${DATA#gen:}" --eval_data "$
 #    Half the dead ends are near misses (the closest of 8 random paths): without them "found" means "close".
 #    1,200 steps: 600 more lifted val pass@1 from 0.344 to 0.472 (docs/arithmetic.md)
 TRACES=(--near_misses 0.5 --micro_batch 16)
-stage sft python sft.py --model "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --batch_size 64 \
+stage sft python sft.py --init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --batch_size 64 \
   --max_steps 1200 --eval_every 600 --output_dir "$OUT/sft"
 
 # 2. A stronger teacher for OPD: the SFT model trained 300 steps longer (SFT length is the largest lever measured;
 #    traces with 3 dead ends cost 2.3 s a step here, 3x these)
-stage teacher python sft.py --model "$OUT/sft" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --warmup 0 \
+stage teacher python sft.py --init "$OUT/sft" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --warmup 0 \
   --batch_size 64 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
 
 # 3. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2). lr 3e-5: at 1e-4 the chosen responses
@@ -94,7 +94,7 @@ stage rlt python rlt.py --init "$OUT/sft" --student "$OUT/sft" "${COMMON[@]}" --
 # 9. Students SFT'd from the base with the same steps on the same number of problems: the trained
 #    teacher's traces, the solver's, and with RLT_CONTROL=1 the untrained teacher's (of the 2,000 exported,
 #    RLT skips the few it cannot explain without truncation and sft.py holds out the last 100 rows of a file)
-STUDENT=(--model "$OUT/base" "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
+STUDENT=(--init "$OUT/base" "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
   --eval_every 400)
 stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
 [[ -n $RLT_CONTROL ]] && stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common import CountdownError, make_prompt, pack, token_stats
+from common import CountdownError
+from data import make_prompt
+from logprobs import pack, token_stats
 from verifier import dense_score, score
 
 
@@ -211,15 +213,25 @@ def rollout_batch(ro, rows, pad_id):
     return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
 
 
-def rollouts(sampler, model, tokenizer, tasks, n, args, seed):
-    """n completions for each task's prompt from `sampler` after syncing it to `model`, with the RL
-    scripts' flags (template, max_prompt_len, temperature, max_response_len); top_p 1 and no top_k."""
-    prompts = [make_prompt(t["nums"], t["target"], args.template) for t in tasks]
-    if max(len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]) > args.max_prompt_len:
-        raise CountdownError(f"a prompt is longer than --max_prompt_len {args.max_prompt_len}")
+def micro_batches(ro, size, pad_id, device):
+    """(rows, input_ids, attention_mask, completion mask, sampler log-probs) per micro-batch of `size`
+    rollouts, on `device`. Rows are sorted by length first, so a micro-batch holds like lengths and
+    little padding (the step's loss is a sum over rollouts: their order is free)."""
+    by_len = sorted(range(len(ro.completion_ids)), key=lambda r: len(ro.completion_ids[r]))
+    for s in range(0, len(by_len), size):
+        rows = by_len[s:s + size]
+        yield (rows, *(x.to(device) for x in rollout_batch(ro, rows, pad_id)))
+
+
+def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature, max_new_tokens, seed):
+    """n completions for each task's prompt from `sampler` after syncing it to `model`, at `temperature`
+    with top_p 1 and no top_k (the RL scripts' sampling)."""
+    prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
+    if max(len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]) > max_prompt_len:
+        raise CountdownError(f"a prompt is longer than --max_prompt_len {max_prompt_len}")
     sampler.wake()
     sampler.sync(model)
-    ro = sampler.generate(prompts, n, args.temperature, 1.0, 0, args.max_response_len, seed)
+    ro = sampler.generate(prompts, n, temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()  # vLLM hands its GPU memory back for the update
     return ro
 

@@ -17,7 +17,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import load_model, token_stats, tokenize_pairs  # noqa: E402
+from logprobs import token_stats, tokenize_pairs  # noqa: E402
+from models import load_model  # noqa: E402
 from verifier import arith_text  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """Peak memory and time of per-token log-probs at Qwen2.5-0.5B's head size (H 896, V 151,936):
-the naive `log_softmax(logits.float()).gather(...)` vs common.token_stats' chunked path.
+the naive `log_softmax(logits.float()).gather(...)` vs logprobs.token_stats' chunked path.
 
 Each variant runs in a fresh process and reports its peak RSS above what the inputs already took, so
 the numbers are the extra memory the log-prob computation itself needs. CPU, fp32.
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import token_stats  # noqa: E402
+from logprobs import token_stats  # noqa: E402
 
 
 class HeadOnly(torch.nn.Module):

@@ -26,7 +26,7 @@ RL = ["--batch_size", "4", "--group_size", "4", "--micro_batch", "6", "--max_res
 def commands(init):
     """Script -> its arguments (after SHARED and --output_dir)."""
     return {
-        "sft": ["--model", init, "--batch_size", "8", "--micro_batch", "4", "--max_steps", "3", "--lr", "1e-4"],
+        "sft": ["--init", init, "--batch_size", "8", "--micro_batch", "4", "--max_steps", "3", "--lr", "1e-4"],
         "ipo": ["--init", init, "--num_prompts", "24", "--group_size", "4", "--max_new_tokens", "64", "--batch_size", "4",
                 "--micro_batch", "2", "--epochs", "1", "--lr", "1e-5", "--max_response_len", "64"],
         "rloo": ["--init", init, *RL, "--wrong_reward", "-0.5"],
@@ -36,13 +36,22 @@ def commands(init):
     }
 
 
-def run(tree, out, init):
-    """{script: [rows of metrics.jsonl]} of every script run in `tree`, writing under `out`."""
+def init_flag(tree):
+    """sft.py's flag for its starting model in `tree`: --init, or --model before the Args base classes."""
+    return "--model" if "    model: str" in open(os.path.join(tree, "sft.py")).read() else "--init"
+
+
+def run(tree, out, init, scripts):
+    """{script: [rows of metrics.jsonl]} of `scripts` run in `tree`, writing under `out`."""
     env = {**os.environ, "PYTHONPATH": tree, "TQDM_DISABLE": "1"}
     rows = {}
     for script, args in commands(init).items():
+        if script not in scripts:
+            continue
         d = os.path.join(out, script)
         args = [a.replace("TRACES", os.path.join(d, "traces.jsonl")) for a in args]
+        if script == "sft":
+            args = [init_flag(tree) if a == "--init" else a for a in args]
         r = subprocess.run([sys.executable, f"{script}.py", *SHARED, "--output_dir", d, *args], cwd=tree, env=env,
                            capture_output=True, text=True)
         if r.returncode:
@@ -76,6 +85,7 @@ def main():
     p.add_argument("--base", default="HEAD", help="git revision to compare the working tree with")
     p.add_argument("--init", default="", help="policy checkpoint for every script but sft (default: a 3-step tiny SFT)")
     p.add_argument("--keep", default="", help="write the runs here instead of a temporary dir")
+    p.add_argument("--scripts", default="sft,ipo,rloo,grpo,opd,rlt", help="which scripts, comma-separated")
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="same_metrics-")
     base = os.path.join(work, "tree")
@@ -83,9 +93,11 @@ def main():
     subprocess.run(f"git archive {a.base} | tar -x -C {base}", shell=True, cwd=ROOT, check=True)
     init = os.path.abspath(a.init) if a.init else os.path.join(work, "init")
     if not a.init:  # the tiny model after 3 SFT steps, made by the base tree: the same init for both
-        subprocess.run([sys.executable, "sft.py", *SHARED, "--model", "tiny", "--max_steps", "3", "--output_dir", init],
+        subprocess.run([sys.executable, "sft.py", *SHARED, init_flag(base), "tiny", "--max_steps", "3", "--output_dir", init],
                        cwd=base, env={**os.environ, "PYTHONPATH": base}, check=True, capture_output=True)
-    before, after = run(base, os.path.join(work, "base"), init), run(ROOT, os.path.join(work, "here"), init)
+    scripts = a.scripts.split(",")
+    before = run(base, os.path.join(work, "base"), init, scripts)
+    after = run(ROOT, os.path.join(work, "here"), init, scripts)
     diffs = compare(before, after)
     for script in before:
         n = sum(len(r) for r in before[script])

@@ -13,13 +13,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common as C  # noqa: E402
+import data as D  # noqa: E402
+import models as M  # noqa: E402
 import sampler as S  # noqa: E402
 from verifier import score  # noqa: E402
 
 
 def run(name, sampler, model, tok, tasks, args):
-    prompts = [C.make_prompt(t["nums"], t["target"], "compact") for t in tasks]
+    prompts = [D.make_prompt(t["nums"], t["target"], "compact") for t in tasks]
     sampler.generate(prompts[:4], 2, args.temperature, max_new_tokens=16, seed=0)  # warm-up
     t0 = time.time()
     ro = sampler.generate(prompts, args.n, args.temperature, max_new_tokens=args.max_new_tokens, seed=1)
@@ -43,8 +44,8 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=160)
     args = p.parse_args()
     torch.manual_seed(0)
-    model, tok = C.load_model(args.checkpoint)
-    tasks = C.load_tasks(args.data, "train", args.prompts)
+    model, tok = M.load_model(args.checkpoint)
+    tasks = D.load_tasks(args.data, "train", args.prompts)
     run("hf", S.HFSampler(model, tok), model, tok, tasks, args)
     engine = S.VLLMSampler(args.checkpoint, tok, seed=0, max_model_len=model.config.max_position_embeddings)
     prompts = run("vllm", engine, model, tok, tasks, args)

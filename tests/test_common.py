@@ -6,13 +6,16 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 import common as C
-from checkpoints import save_checkpoint
+import data as D
+import logprobs as LP
+import loop as L
+import models as M
 import sampler as S
 import verifier as V
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from checkpoints import save_checkpoint
 
 
 def qwen_like(vocab, seed=0, hidden=32):
@@ -46,7 +49,7 @@ def batch(vocab, B=3, T=20, seed=0):
 
 def test_chunked_logprobs_and_entropy_match_naive_at_qwen_vocab(big_vocab_model):
     ids, attn, mask = batch(151_936)
-    stats = C.token_stats(big_vocab_model, ids, attn, mask, entropy=True, chunk_size=7)
+    stats = LP.token_stats(big_vocab_model, ids, attn, mask, entropy=True, chunk_size=7)
     logp_all, logp = naive_stats(big_vocab_model, ids, attn)
     sel = mask[:, 1:].bool()
     assert torch.allclose(stats["logp"][sel], logp[sel], atol=1e-5)
@@ -59,7 +62,7 @@ def test_chunked_logprobs_gradient_matches_naive():
     model = qwen_like(1000)
     ids, attn, mask = batch(1000)
     sel = mask[:, 1:].bool()
-    C.token_stats(model, ids, attn, mask, temperature=0.7, chunk_size=5)["logp"].sum().backward()
+    LP.token_stats(model, ids, attn, mask, temperature=0.7, chunk_size=5)["logp"].sum().backward()
     g_chunked = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     _, logp = naive_stats(model, ids, attn, temperature=0.7)
@@ -72,7 +75,7 @@ def test_chunked_logprobs_gradient_matches_naive():
 def test_forward_kl_matches_naive_with_padded_teacher_vocab(temperature):
     student, teacher = qwen_like(1000, seed=0), qwen_like(1024, seed=1)  # teacher vocab padded by 24
     ids, attn, mask = batch(1000)
-    stats = C.token_stats(student, ids, attn, mask, teacher=teacher, kd_temperature=temperature, chunk_size=4)
+    stats = LP.token_stats(student, ids, attn, mask, teacher=teacher, kd_temperature=temperature, chunk_size=4)
     zs = student(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     zt = teacher(input_ids=ids, attention_mask=attn).logits[:, :-1, :1000].float()
     ps, pt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
@@ -80,13 +83,13 @@ def test_forward_kl_matches_naive_with_padded_teacher_vocab(temperature):
     sel = mask[:, 1:].bool()
     assert torch.allclose(stats["kl"][sel], kl[sel], atol=1e-5)
     assert (stats["kl"][sel] > 0).all()
-    assert C.token_stats(student, ids, attn, mask, teacher=student)["kl"].abs().max() < 1e-5
+    assert LP.token_stats(student, ids, attn, mask, teacher=student)["kl"].abs().max() < 1e-5
 
 
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    return C.load_model("tiny")
+    return M.load_model("tiny")
 
 
 def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
@@ -96,12 +99,12 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     model.set_attn_implementation("sdpa")
     ids = torch.randint(0, 64, (3, 12))
     attn, mask = torch.ones_like(ids), torch.ones_like(ids)
-    fp32 = C.token_stats(model, ids, attn, mask)["logp"]
+    fp32 = LP.token_stats(model, ids, attn, mask)["logp"]
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
     with C.autocast("cpu", model, None):
         assert model.config._attn_implementation == "eager"
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
-        bf16 = C.token_stats(model, ids, attn, mask)["logp"]
+        bf16 = LP.token_stats(model, ids, attn, mask)["logp"]
     assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
     assert bf16.dtype == torch.float32 and 0 < (bf16 - fp32).abs().max() < 0.05
     with pytest.raises(RuntimeError), C.autocast("cpu", model):
@@ -110,14 +113,14 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")
     with C.autocast("cpu", model):
         assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
-        assert torch.equal(C.token_stats(model, ids, attn, mask)["logp"], fp32)
+        assert torch.equal(LP.token_stats(model, ids, attn, mask)["logp"], fp32)
 
 
 def test_mask_keeps_eos_and_drops_prompt_and_padding():
-    tok = C.build_tiny_tokenizer()
-    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7, 1], 99, "compact")]
+    tok = M.build_tiny_tokenizer()
+    prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7, 1], 99, "compact")]
     responses = [" 3 + 5 = 8.\n</think>\n<answer>(3 + 5) * 4</answer>", " x"]
-    ids, attn, mask = C.tokenize_pairs(tok, prompts, responses)
+    ids, attn, mask = LP.tokenize_pairs(tok, prompts, responses)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         n_p = len(tok(p)["input_ids"])
         n_r = len(tok(r, add_special_tokens=False)["input_ids"]) + 1
@@ -126,19 +129,19 @@ def test_mask_keeps_eos_and_drops_prompt_and_padding():
         assert tok.decode(ids[i][mask[i].bool()][:-1]) == r
         assert attn[i].sum() == n_p + n_r
     # pad == eos, as for Qwen base: masks come from lengths, so the real EOS still counts
-    ids, attn, mask = C.pack([[5, 6], [5]], [[7, 1], [1]], pad_id=1)
+    ids, attn, mask = LP.pack([[5, 6], [5]], [[7, 1], [1]], pad_id=1)
     assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]] and attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
 
 
 def test_prompt_longer_than_max_is_a_clear_error():
-    tok = C.build_tiny_tokenizer()
+    tok = M.build_tiny_tokenizer()
     with pytest.raises(C.CountdownError, match="max_prompt_len"):
-        C.tokenize_pairs(tok, [C.make_prompt([1, 2, 3], 6)], ["x"], max_prompt_len=10)
+        LP.tokenize_pairs(tok, [D.make_prompt([1, 2, 3], 6)], ["x"], max_prompt_len=10)
 
 
 def test_tiny_tokenizer_round_trips_any_text():
-    tok = C.build_tiny_tokenizer()
-    for text in [C.make_prompt([12, 7, 99, 1], 100), V.make_trace([7, 4, 5], 55, dead_ends=2),
+    tok = M.build_tiny_tokenizer()
+    for text in [D.make_prompt([12, 7, 99, 1], 100), V.make_trace([7, 4, 5], 55, dead_ends=2),
                  "<answer> 123 / (4-5) </answer>\n\t ünïcode ✓ \x00", ""]:
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     assert len(tok("<answer>", add_special_tokens=False)["input_ids"]) == 1
@@ -147,10 +150,10 @@ def test_tiny_tokenizer_round_trips_any_text():
 
 def test_hf_sampler_stops_at_eos_and_respects_max_tokens(tiny):
     model, tok = tiny
-    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([1, 2], 3, "compact")]
+    prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([1, 2], 3, "compact")]
     # point the EOS row of the (tied) head along the mean hidden state: EOS logit ~4, the rest ~0, so
     # some rows finish and others run out of budget
-    model = C.build_tiny_model(tok)
+    model = M.build_tiny_model(tok)
     model.load_state_dict(tiny[0].state_dict())
     with torch.no_grad():
         h = model.base_model(input_ids=torch.tensor([tok(prompts[0])["input_ids"]])).last_hidden_state.mean((0, 1))
@@ -172,11 +175,11 @@ def test_hf_sampler_stops_at_eos_and_respects_max_tokens(tiny):
 def test_sampler_logprobs_match_trainer_logprobs(tiny):
     """The weight-sync canary: the sampler's log-probs of its own tokens equal a fresh forward pass."""
     model, tok = tiny
-    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7, 1], 99, "base")]
+    prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7, 1], 99, "base")]
     ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=1.0, max_new_tokens=20, seed=0)
     ids, attn, mask, sampler_lp = S.rollout_batch(ro, list(range(6)), tok.pad_token_id)
     with torch.no_grad():
-        logp = C.token_stats(model, ids, attn, mask)["logp"]
+        logp = LP.token_stats(model, ids, attn, mask)["logp"]
     assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
     assert S.logprob_gap(model, tok, ro, 1.0) == pytest.approx((logp - sampler_lp)[mask[:, 1:].bool()].abs().mean().item())
 
@@ -186,13 +189,13 @@ def test_sampler_logprobs_are_of_the_sampling_distribution(tiny, temperature):
     """Rollouts drawn at T carry log softmax(logits / T), what token_stats(temperature=T) gives the
     trainer: ρ = π_θ/μ is 1 on the first pass at any T, and the update trains the policy that sampled."""
     model, tok = tiny
-    prompts = [C.make_prompt([3, 5, 4], 32, "compact"), C.make_prompt([10, 2, 7], 99, "compact")]
+    prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7], 99, "compact")]
     ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=temperature, max_new_tokens=20, seed=0)
     ids, attn, mask, sampler_lp = S.rollout_batch(ro, list(range(6)), tok.pad_token_id)
     m = mask[:, 1:].bool()
     with torch.no_grad():
-        tempered = C.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
-        raw = C.token_stats(model, ids, attn, mask)["logp"]
+        tempered = LP.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
+        raw = LP.token_stats(model, ids, attn, mask)["logp"]
     assert (tempered - sampler_lp)[m].abs().max() < 1e-4                      # ρ = 1 to fp32 precision
     assert (raw - sampler_lp)[m].abs().mean() > 1e-2                          # and not the T = 1 log-probs
 
@@ -229,50 +232,50 @@ def test_checkpoint_round_trip(tiny, tmp_path):
     out = tmp_path / "ckpt"
     save_checkpoint(model, tok, str(out))
     assert not [p for p in os.listdir(out) if p.startswith(".tmp")]
-    loaded, tok2 = C.load_model(str(out))
-    ids = torch.tensor([tok(C.make_prompt([1, 2, 3], 6, "compact"))["input_ids"]])
+    loaded, tok2 = M.load_model(str(out))
+    ids = torch.tensor([tok(D.make_prompt([1, 2, 3], 6, "compact"))["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
     assert tok2.get_vocab() == tok.get_vocab() and tok2.eos_token_id == tok.eos_token_id
-    text = C.make_prompt([3, 17, 9], 21, "compact") + V.make_trace([3, 7, 9], 21, dead_ends=2)
+    text = D.make_prompt([3, 17, 9], 21, "compact") + V.make_trace([3, 7, 9], 21, dead_ends=2)
     assert tok2(text)["input_ids"] == tok(text)["input_ids"]  # same pre-tokenizer after the round trip
 
 
 def test_clear_errors_for_bad_models_and_data(tmp_path, monkeypatch):
     with pytest.raises(C.CountdownError, match="no such checkpoint dir"):
-        C.load_model(str(tmp_path / "missing"))
+        M.load_model(str(tmp_path / "missing"))
     with pytest.raises(C.CountdownError, match="not a checkpoint dir"):
-        C.load_model(str(tmp_path))
+        M.load_model(str(tmp_path))
     def offline(*a, **k):
         raise OSError("Name or service not known")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(C.socket, "create_connection", offline)  # as on this machine: no hub
+    monkeypatch.setattr(D.socket, "create_connection", offline)  # as on this machine: no hub
     with pytest.raises(C.CountdownError, match="cannot reach huggingface.co .* --model tiny"):
-        C.load_model("Qwen/Qwen2.5-0.5B")
+        M.load_model("Qwen/Qwen2.5-0.5B")
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"nums": [1, 2], "target": 3}\n\n{"numbers": [1], "target": 1}\n')
     with pytest.raises(C.CountdownError, match=r"tasks.jsonl:3: missing field\(s\) \['nums'\]; the line has \['numbers', 'target'\]"):
-        C.load_tasks(str(bad), "test")
+        D.load_tasks(str(bad), "test")
     bad.write_text('{"nums": [1, 2], "target": 3}\n{"nums": [1, 2], "target": \n')
     with pytest.raises(C.CountdownError, match=r"tasks.jsonl:2: not valid JSON"):
-        C.load_tasks(str(bad), "test")
+        D.load_tasks(str(bad), "test")
     bad.write_text('{"nums": "1 2", "target": 3}\n')
     with pytest.raises(C.CountdownError, match="row 1: nums must be a list of ints"):
-        C.load_tasks(str(bad), "test")
+        D.load_tasks(str(bad), "test")
     with pytest.raises(C.CountdownError, match="bad --data"):
-        C.load_tasks("gen:numbers=3", "test")
+        D.load_tasks("gen:numbers=3", "test")
     with pytest.raises(C.CountdownError, match="--data gen"):
-        C.load_tasks("nobody/no-such-dataset", "test")
+        D.load_tasks("nobody/no-such-dataset", "test")
 
 
 def test_load_tasks_from_generator_and_jsonl(tmp_path):
-    test = C.load_tasks("gen:nums=3,range=1-9,target=10-100,test=50,val=20", "test")
-    train = C.load_tasks("gen:nums=3,range=1-9,target=10-100,test=50,val=20", "train", 200)
+    test = D.load_tasks("gen:nums=3,range=1-9,target=10-100,test=50,val=20", "test")
+    train = D.load_tasks("gen:nums=3,range=1-9,target=10-100,test=50,val=20", "train", 200)
     assert len(test) == 50 and len(train) == 200
     assert not {(tuple(sorted(t["nums"])), t["target"]) for t in test} & {(tuple(sorted(t["nums"])), t["target"]) for t in train}
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(t) + "\n" for t in test))
-    assert C.load_tasks(str(path), "test") == test
+    assert D.load_tasks(str(path), "test") == test
 
 
 @dataclasses.dataclass
@@ -290,7 +293,7 @@ def test_parse_args_dashes_underscores_and_bools():
 
 
 def test_logger_writes_jsonl(tmp_path):
-    log = C.Logger(str(tmp_path), total_steps=2, args=_Args())
+    log = C.Logger(str(tmp_path), total_steps=2, config=dataclasses.asdict(_Args()))
     log.log(1, {"train/loss": 0.5, "train/reward": torch.tensor(0.25)})
     log.close()
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
@@ -314,7 +317,7 @@ def test_every_script_has_help(script):
 def test_warmup_lr_ramps_linearly_then_holds_and_sets_every_group():
     opt = torch.optim.AdamW([{"params": [torch.zeros(1, requires_grad=True)]},
                              {"params": [torch.zeros(1, requires_grad=True)]}], lr=1.0)
-    got = [C.warmup_lr(opt, 2e-4, step, 4) for step in range(1, 7)]
+    got = [L.warmup_lr(opt, 2e-4, step, 4) for step in range(1, 7)]
     assert got == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])
     assert [g["lr"] for g in opt.param_groups] == [2e-4, 2e-4]
-    assert C.warmup_lr(opt, 3e-4, 1, 0) == 3e-4  # 0: constant from the first step (paper 000)
+    assert L.warmup_lr(opt, 3e-4, 1, 0) == 3e-4  # 0: constant from the first step (paper 000)

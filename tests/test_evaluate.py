@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 import evaluate as E
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])

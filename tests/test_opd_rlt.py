@@ -1,3 +1,4 @@
+import functools
 import json
 import math
 import os
@@ -7,17 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import GEN, ROOT
 
 import common as C
-from checkpoints import save_checkpoint
+import data as D
+import logprobs as LP
+import models as M
 import opd
 import rlt
 import sampler as S
 import sft
+from checkpoints import save_checkpoint
 from verifier import score
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GEN = "gen:nums=3,range=1-9,test=20,val=8"
+RWD = dict(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)  # rlt.score_explanations
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
         "--max_response_len", "12", "--max_steps", "2", "--lr", "1e-3"]
@@ -25,8 +29,8 @@ FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_prob
 
 def tiny_model(seed):
     torch.manual_seed(seed)
-    tok = C.build_tiny_tokenizer()
-    return C.build_tiny_model(tok).eval(), tok
+    tok = M.build_tiny_tokenizer()
+    return M.build_tiny_model(tok).eval(), tok
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +41,9 @@ def ckpts(tmp_path_factory):
         model, tok = tiny_model(seed)
         out[name] = str(tmp_path_factory.mktemp(name))
         save_checkpoint(model, tok, out[name])
-    other = C.build_tiny_tokenizer(vocab_size=300)
+    other = M.build_tiny_tokenizer(vocab_size=300)
     out["other"] = str(tmp_path_factory.mktemp("other"))
-    save_checkpoint(C.build_tiny_model(other), other, out["other"])
+    save_checkpoint(M.build_tiny_model(other), other, out["other"])
     return out
 
 
@@ -50,15 +54,15 @@ def test_opd_loss_by_hand():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     kl = torch.tensor([[0.2, 0.4, 9.0]])                                         # the masked 9 must not count
     entropy = torch.tensor([[1.0, 3.0, 7.0]])
-    loss, parts = opd.opd_loss(logp, logp.clone(), kl, entropy, mask, torch.tensor([0.5]), args)
+    loss, parts = opd.opd_loss(logp, logp.clone(), kl, entropy, mask, torch.tensor([0.5]), **vars(args))
     # 0.5 · mean_t KL + 0.5 · (−w·A·Σ log π) − 0.1 · mean_t H,  w = 1
     assert abs(loss.item() - (0.5 * 0.3 + 0.5 * (-0.5 * -3.0) - 0.1 * 2.0)) < 1e-6
     assert parts["is_weight"].item() == 1.0 and abs(parts["pg"].item() - 1.5) < 1e-6
     old = logp - torch.tensor([[5.0, 0.0, 0.0]])                                 # π/μ = e^5 > 10: clipped
-    _, parts = opd.opd_loss(logp, old, kl, entropy, mask, torch.tensor([0.5]), args)
+    _, parts = opd.opd_loss(logp, old, kl, entropy, mask, torch.tensor([0.5]), **vars(args))
     assert parts["is_weight"].item() == 10.0
     args.rl_coef = 0.0                                                           # pure distillation
-    loss, _ = opd.opd_loss(logp, logp.clone(), kl, entropy, mask, torch.tensor([0.5]), args)
+    loss, _ = opd.opd_loss(logp, logp.clone(), kl, entropy, mask, torch.tensor([0.5]), **vars(args))
     assert abs(loss.item() - (0.15 - 0.2)) < 1e-6
 
 
@@ -74,9 +78,9 @@ def test_opd_kl_step_moves_student_toward_teacher():
     opt = torch.optim.SGD(student.parameters(), lr=0.5)
     kls = []
     for _ in range(2):
-        st = C.token_stats(student, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=1.3)
+        st = LP.token_stats(student, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=1.3)
         m = mask[:, 1:].float()
-        loss, _ = opd.opd_loss(st["logp"], st["logp"].detach(), st["kl"], st["entropy"], m, torch.zeros(2), args)
+        loss, _ = opd.opd_loss(st["logp"], st["logp"].detach(), st["kl"], st["entropy"], m, torch.zeros(2), **vars(args))
         kls.append(loss.mean().item())
         loss.mean().backward()
         opt.step()
@@ -95,7 +99,7 @@ def test_teacher_inputs_left_padded_match_unpadded_runs():
     attn_t = torch.ones(1, T, dtype=torch.long)
     attn_s = (torch.arange(T) >= len(p_t) - len(p_s)).long()[None]
     mask = (torch.arange(T) >= len(p_t)).long()[None]
-    st = C.token_stats(student, ids_s, attn_s, mask, teacher=teacher, teacher_inputs=(ids_t, attn_t))
+    st = LP.token_stats(student, ids_s, attn_s, mask, teacher=teacher, teacher_inputs=(ids_t, attn_t))
     with torch.no_grad():  # each model on its own unpadded sequence
         zs = student(input_ids=torch.tensor([p_s + resp])).logits[0, len(p_s) - 1:-1]
         zt = teacher(input_ids=ids_t).logits[0, len(p_t) - 1:-1]
@@ -106,10 +110,10 @@ def test_teacher_inputs_left_padded_match_unpadded_runs():
 
 
 def test_different_tokenizers_are_refused():
-    a, b = C.build_tiny_tokenizer(), C.build_tiny_tokenizer(vocab_size=300)
-    C.check_same_tokenizer(a, a, "x", "y")
+    a, b = M.build_tiny_tokenizer(), M.build_tiny_tokenizer(vocab_size=300)
+    M.check_same_tokenizer(a, a, "x", "y")
     with pytest.raises(C.CountdownError, match="different tokenizers"):
-        C.check_same_tokenizer(a, b, "out/sft", "out/teacher")
+        M.check_same_tokenizer(a, b, "out/sft", "out/teacher")
 
 
 # ---- rlt.py ----------------------------------------------------------------------------------------
@@ -135,12 +139,11 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")  # checks the row alignment against fp32, to 1e-4
     teacher, tok = tiny_model(1)
     student, _ = tiny_model(0)
-    args = SimpleNamespace(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)
     tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}, {"nums": [1, 2, 3], "target": 6}]
     sols = ["(3 + 4) * 5", "2 * 9 + 7", "1 + 2 + 3"]
     expl = [" 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n", " 2 * 9 = 18, left 7", ""]
     pen = [False, True, False]                                                   # row 1 never closed </think>
-    r, r_ss, r_kl = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, pen, args, "cpu")
+    r, r_ss, r_kl = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, pen, **RWD, device="cpu")
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for i in (0, 1, 2):
         ps, pt = enc(rlt.student_prompt(tasks[i], "compact")), enc(rlt.teacher_prompt(tasks[i], sols[i], "compact"))
@@ -155,7 +158,7 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
         want_kl = kl.mean() + 0.01 * kl.max() if len(e) else torch.tensor(0.0)
         assert abs(r_ss[i] - want_ss) < 1e-4 and abs(r_kl[i] - want_kl) < 1e-4, i
         assert abs(r[i] - (want_ss - 3 * want_kl - int(pen[i]))) < 1e-3              # 004 §A.1: the −1 is added
-    unpenalized, _, _ = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, [False] * 3, args, "cpu")
+    unpenalized, _, _ = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, [False] * 3, **RWD, device="cpu")
     assert torch.allclose(r, unpenalized - torch.tensor([0.0, 1.0, 0.0]))       # so being penalized never pays
 
 
@@ -168,8 +171,8 @@ def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
     assert completion == teacher_out and score(completion, task["nums"], task["target"]) == 1.0
     path = tmp_path / "traces.jsonl"
     path.write_text(json.dumps({"query": rlt.student_prompt(task, "compact"), "completion": completion}) + "\n")
-    prompts, responses = sft.sft_data(SimpleNamespace(data=str(path), eval_problems=0), "train", None)
-    assert prompts == [C.make_prompt([3, 4, 5], 35, "compact")] and responses(None) == [completion]
+    prompts, responses = sft.sft_data(str(path), "train", None, "compact", 0)
+    assert prompts == [D.make_prompt([3, 4, 5], 35, "compact")] and responses(None) == [completion]
 
 
 def test_opd_two_steps_in_a_subprocess(ckpts, tmp_path):
@@ -201,9 +204,9 @@ def test_rlt_two_steps_export_then_sft_on_the_traces(ckpts, tmp_path):
     assert rows[-1]["train/reward"] <= 0 and 0 <= rows[-1]["train/penalized"] <= 1
     assert rows[-1]["train/sampler_gap"] < 1e-5  # sampled at T 0.7, both sides scored at logits / 0.7
     assert traces.exists()  # (an untrained teacher's lines: test_export_keeps_the_best_explanation checks content)
-    traces.write_text(json.dumps({"query": C.make_prompt([1, 2, 3], 6, "compact"),
+    traces.write_text(json.dumps({"query": D.make_prompt([1, 2, 3], 6, "compact"),
                                   "completion": rlt.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
-    r = subprocess.run([sys.executable, "sft.py", "--model", "tiny", "--data", str(traces), "--eval_data", GEN, "--template",
+    r = subprocess.run([sys.executable, "sft.py", "--init", "tiny", "--data", str(traces), "--eval_data", GEN, "--template",
                         "compact", "--eval_problems", "2", "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size",
                         "2", "--micro_batch", "2", "--max_steps", "2", "--output_dir", str(tmp_path / "student")],
                        cwd=ROOT, capture_output=True, text=True)
@@ -231,17 +234,18 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     sols = ["(3 + 4) * 5", "2 * 9 + 7"]
     texts = [" 3 + 4 = 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>x</answer>", " no.\n</think>",  # task 1: two tries
              " 2 * 9 = 18", " 2 * 9 = 18, left 7 18."]                                              # task 2: cut, untagged
-    args = SimpleNamespace(template="compact", micro_batch=4, alpha=0.01, lam=3.0, penalty=-1.0, temperature=1.0,
-                           max_prompt_len=512, seed=0, max_response_len=40, export_best_of=2, export=str(tmp_path / "x.jsonl"))
     sampler = ScriptedSampler(tok, texts, [True, True, False, True])
-    rlt.export_traces(sampler, teacher, student, tok, tasks, sols, args, "cpu")
-    lines = [json.loads(x) for x in open(args.export)]
+    explain = functools.partial(rlt.explain, sampler, teacher, tok, template="compact", max_prompt_len=512, temperature=1.0,
+                                max_new_tokens=40, seed=0)
+    score = functools.partial(rlt.score_explanations, teacher, student, tok, **{**RWD, "micro_batch": 4}, device="cpu")
+    rlt.export_traces(str(tmp_path / "x.jsonl"), explain, score, tasks, sols, 2, "compact", 0)
+    lines = [json.loads(x) for x in open(tmp_path / "x.jsonl")]
     assert len(lines) == 1 and lines[0]["nums"] == [3, 4, 5]                     # task 2: both penalized, left out
     expl = [rlt.explanation_of(t)[0] for t in texts[:2]]
-    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2, args, "cpu")
+    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2, **RWD, micro_batch=4, device="cpu")
     best = expl[int(r_ss.argmax())]
     assert lines[0]["completion"] == rlt.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
-    assert lines[0]["query"] == C.make_prompt([3, 4, 5], 35, "compact")
+    assert lines[0]["query"] == D.make_prompt([3, 4, 5], 35, "compact")
     assert score(lines[0]["completion"], [3, 4, 5], 35) == 1.0
 
 

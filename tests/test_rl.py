@@ -7,14 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import GEN, ROOT
 
-import common as C
+import data as D
 import grpo
+import models as M
 import rloo
 import sampler as S
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GEN = "gen:nums=3,range=1-9,test=20,val=8"
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
         "--max_response_len", "12", "--max_steps", "2", "--lr", "1e-3"]
@@ -63,13 +63,13 @@ def test_ppo_clip_by_hand():
     logp = torch.log(torch.tensor([[1.5, 1.1, 0.5, 0.9]])).requires_grad_()    # ratios ρ
     for A, want, clipped in ((1.0, [-1.2, -1.1, -0.5, -0.9], [1, 0, 0, 0]),      # A>0: ρ capped at 1+ε
                              (-1.0, [1.5, 1.1, 0.8, 0.9], [0, 0, 1, 0])):        # A<0: ρ floored at 1−ε
-        loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([A]), args)
+        loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([A]), **vars(args))
         assert torch.allclose(loss, torch.tensor([want])) and parts["clipped"][0].tolist() == clipped
     args.epsilon_high = 0.6                                                      # clip-higher: 1.5 < 1.6 passes
-    loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), args)
+    loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), **vars(args))
     assert torch.allclose(loss, torch.tensor([[-1.5, -1.1, -0.5, -0.9]])) and parts["clipped"].sum() == 0
     args.epsilon_high = 0.0
-    loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), args)
+    loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), **vars(args))
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     assert grad[0, 0] == 0 and (grad[0, 1:] != 0).all()                         # the clipped token: no gradient
 
@@ -78,7 +78,7 @@ def test_ppo_clip_by_hand():
 def test_grpo_kl_term_uses_beta(kl_ratio):
     args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.5, kl_ratio=kl_ratio)  # ρ = 1: the forms agree
     logp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
-    loss, parts = grpo.grpo_loss(logp, logp, ref, torch.tensor([0.0]), args)
+    loss, parts = grpo.grpo_loss(logp, logp, ref, torch.tensor([0.0]), **vars(args))
     k3 = 0.5 - 1 - math.log(0.5)                                                 # r = 0.25/0.5
     assert abs(parts["kl"].item() - k3) < 1e-6 and abs(loss.item() - 0.5 * k3) < 1e-6
 
@@ -99,11 +99,11 @@ def test_rloo_loss_by_hand(kl_ratio):
     logp = torch.tensor([[-1.0, -2.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     entropy = torch.tensor([[1.0, 3.0, 7.0]])
-    loss, parts = rloo.rloo_loss(logp, logp.clone(), entropy, mask, torch.tensor([0.5]), args)
+    loss, parts = rloo.rloo_loss(logp, logp.clone(), entropy, mask, torch.tensor([0.5]), **vars(args))
     assert abs(loss.item() - (-0.5 * -3.0 - 0.1 * 2.0)) < 1e-6                  # −w·A·log π(y) − λ_H·H, KL 0
     assert parts["is_weight"].item() == 1.0
     old = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0]])                        # μ gave token 2 twice π's prob
-    loss2, parts = rloo.rloo_loss(logp, old, entropy, mask, torch.tensor([0.5]), args)
+    loss2, parts = rloo.rloo_loss(logp, old, entropy, mask, torch.tensor([0.5]), **vars(args))
     assert abs(parts["is_weight"].item() - 0.5) < 1e-6
     k3 = (1 - math.log(2)) * (0.5 if kl_ratio else 1.0)                          # r = μ/π = 2; times π/μ = 1/2
     assert abs(loss2.item() - (-0.5 * 0.5 * -3.0 - 0.2 + k3 / 2)) < 1e-6
@@ -114,7 +114,7 @@ def test_rloo_logs_the_importance_weight_before_its_clip():
     args = SimpleNamespace(is_clip=10.0, entropy_coef=0.0, kl_coef=0.0, kl_ratio=True)
     logp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
     old = logp - torch.tensor([[5.0, 0.0], [0.0, 0.0]])                          # row 0: π/μ = e^5 ≈ 148
-    _, parts = rloo.rloo_loss(logp, old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, -1.0]), args)
+    _, parts = rloo.rloo_loss(logp, old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, -1.0]), **vars(args))
     assert parts["is_weight"].tolist() == [10.0, 1.0]
     assert torch.allclose(parts["is_weight_raw"], torch.tensor([math.exp(5), 1.0]))
 
@@ -218,7 +218,7 @@ def test_fixed_seed_is_deterministic_on_cpu(module, tiny_ckpt, tmp_path):
 
 
 def test_grpo_reference_stays_frozen_and_syncs_when_asked(tiny_ckpt, tmp_path):
-    init, _ = C.load_model(tiny_ckpt)
+    init, _ = M.load_model(tiny_ckpt)
     # an untrained model earns no reward, so weight decay is what moves the policy here
     model, ref = grpo.main(["--init", tiny_ckpt, *FAST, "--weight_decay", "0.1", "--output_dir", str(tmp_path / "a")])
     assert all(torch.equal(p0, p) for p0, p in zip(init.parameters(), ref.parameters()))
@@ -246,7 +246,7 @@ def sft_model(tmp_path_factory):
     pipeline's is 1,200). At 300 steps it solves almost nothing, which leaves RL no signal."""
     import sft
     out = tmp_path_factory.mktemp("sft")
-    sft.main(["--model", "tiny", "--data", "gen:nums=3,range=1-20,test=200,val=100", "--eval_data", GEN, "--template", "compact",
+    sft.main(["--init", "tiny", "--data", "gen:nums=3,range=1-20,test=200,val=100", "--eval_data", GEN, "--template", "compact",
               "--dead_ends", "1", "--lr", "2e-3", "--batch_size", "64", "--micro_batch", "64", "--max_steps", "600",
               "--eval_every", "0", "--eval_problems", "2", "--eval_samples", "1", "--eval_max_new_tokens", "8",
               "--output_dir", str(out)])
@@ -259,7 +259,7 @@ def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     """The learning check: on 32 problems seen every step, training accuracy must climb (measured here:
     0.15 -> 0.25 in 20 steps from this half-trained model, 0.35 -> 0.65 from the pipeline's). New
     problems every step do not move it as much on the tiny model: README, "RL"."""
-    tasks = C.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
+    tasks = D.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"nums": t["nums"], "target": t["target"]}) + "\n" for t in tasks))
     pipeline = ["--temperature", "1.0", "--beta", "0.04"] if module is grpo else []  # what the check was measured with

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 import torch
+from conftest import GEN, ROOT
 
 import checkpoints
 import common as C
+import models as M
 from checkpoints import latest_state, save_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GEN = "gen:nums=3,range=1-9,test=20,val=8"
 EVAL = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8"]
 RL = [*EVAL, "--batch_size", "2", "--group_size", "3", "--micro_batch", "4", "--max_response_len", "12", "--lr", "1e-3"]
@@ -42,7 +42,7 @@ def ckpt(tiny_ckpt):  # tests/conftest.py
 def commands(ckpt):
     """Three steps of every training script on the tiny model."""
     return {
-        "sft": ["sft.py", "--model", "tiny", *EVAL, "--batch_size", "4", "--micro_batch", "2", "--max_steps", "3",
+        "sft": ["sft.py", "--init", "tiny", *EVAL, "--batch_size", "4", "--micro_batch", "2", "--max_steps", "3",
                 "--lr", "1e-3", "--dead_ends", "1"],
         "ipo": ["ipo.py", "--init", ckpt, *EVAL, "--pairs", "solver", "--num_prompts", "16", "--heldout", "0.25",
                 "--batch_size", "4", "--micro_batch", "2", "--epochs", "1", "--lr", "1e-3"],
@@ -85,7 +85,7 @@ def test_a_resumed_run_continues_exactly(script, ckpt, tmp_path):
 
 
 def test_an_existing_run_is_never_overwritten_silently(tmp_path):
-    cmd = ["sft.py", "--model", "tiny", *EVAL, "--batch_size", "4", "--micro_batch", "2", "--max_steps", "2",
+    cmd = ["sft.py", "--init", "tiny", *EVAL, "--batch_size", "4", "--micro_batch", "2", "--max_steps", "2",
            "--save_every", "1", "--output_dir", str(tmp_path)]
     assert run(*cmd).returncode == 0
     before = (tmp_path / "model.safetensors").read_bytes()
@@ -98,7 +98,7 @@ def test_an_existing_run_is_never_overwritten_silently(tmp_path):
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_state(tmp_path):
     """lr 1e30: step 1 is fine, then the weights are astronomically large and step 2's loss is not finite."""
-    cmd = ["sft.py", "--model", "tiny", *EVAL, "--batch_size", "4", "--micro_batch", "2", "--max_steps", "4",
+    cmd = ["sft.py", "--init", "tiny", *EVAL, "--batch_size", "4", "--micro_batch", "2", "--max_steps", "4",
            "--save_every", "1", "--lr", "1e30", "--warmup", "0"]
     r = run(*cmd, "--output_dir", str(tmp_path / "stop"))
     one_line_error(r, "non-finite loss at step 2")
@@ -148,11 +148,11 @@ def test_clear_one_line_errors(ckpt, tmp_path):
     one_line_error(run("rloo.py", "--init", str(tmp_path / "typo"), *RL, "--output_dir", str(tmp_path / "a")),
                    "no such checkpoint dir")
     one_line_error(run("grpo.py", "--init", str(no_ckpt), *RL, "--output_dir", str(tmp_path / "b")), "not a checkpoint dir")
-    one_line_error(run("sft.py", "--model", "Qwen/Qwen2.5-0.5B", *EVAL, "--output_dir", str(tmp_path / "c"),
+    one_line_error(run("sft.py", "--init", "Qwen/Qwen2.5-0.5B", *EVAL, "--output_dir", str(tmp_path / "c"),
                        env={"HF_ENDPOINT": "http://127.0.0.1:9"}), "--model tiny")
     wrong = tmp_path / "wrong_fields.jsonl"
     wrong.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
-    one_line_error(run("sft.py", "--model", "tiny", *EVAL, "--data", str(wrong), "--output_dir", str(tmp_path / "d")),
+    one_line_error(run("sft.py", "--init", "tiny", *EVAL, "--data", str(wrong), "--output_dir", str(tmp_path / "d")),
                    "missing field(s) ['query', 'completion']; the line has ['prompt', 'response']")
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"nums": [1, 2, 3], "target": 6}\n{"nums": [1, 2\n')
@@ -162,8 +162,8 @@ def test_clear_one_line_errors(ckpt, tmp_path):
     unsolvable.write_text(json.dumps({"nums": [1, 1, 1], "target": 97}) + "\n")
     one_line_error(run("rlt.py", "--init", ckpt, "--student", ckpt, *RL, "--data", str(unsolvable),
                        "--output_dir", str(tmp_path / "f")), "no solvable tasks")
-    other = C.build_tiny_tokenizer(vocab_size=300)
-    save_checkpoint(C.build_tiny_model(other), other, str(tmp_path / "other"))
+    other = M.build_tiny_tokenizer(vocab_size=300)
+    save_checkpoint(M.build_tiny_model(other), other, str(tmp_path / "other"))
     one_line_error(run("opd.py", "--init", ckpt, "--teacher", str(tmp_path / "other"), *RL, "--output_dir",
                        str(tmp_path / "g")), "different tokenizers")
     one_line_error(run("ipo.py", "--init", ckpt, *EVAL, "--batch_size", "6", "--micro_batch", "4", "--output_dir",

