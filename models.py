@@ -63,7 +63,7 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
             raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the --output_dir of a finished run")
     elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         raise CountdownError(f"no such checkpoint dir: {name}")
-    hint = "" if os.path.exists(name) else " The embedded alternative needs no hub: --model tiny (see README)"
+    hint = "" if os.path.exists(name) else " The embedded alternative needs no hub: the model `tiny`, e.g. sft.py --init tiny (see README)"
     if hint:
         check_hub(f"model '{name}'", hint)
     # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would drop the

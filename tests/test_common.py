@@ -250,7 +250,7 @@ def test_clear_errors_for_bad_models_and_data(tmp_path, monkeypatch):
         raise OSError("Name or service not known")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(D.socket, "create_connection", offline)  # as on this machine: no hub
-    with pytest.raises(C.CountdownError, match="cannot reach huggingface.co .* --model tiny"):
+    with pytest.raises(C.CountdownError, match="cannot reach huggingface.co .* --init tiny"):
         M.load_model("Qwen/Qwen2.5-0.5B")
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"nums": [1, 2], "target": 3}\n\n{"numbers": [1], "target": 1}\n')

@@ -237,12 +237,12 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     sampler = ScriptedSampler(tok, texts, [True, True, False, True])
     explain = functools.partial(rlt.explain, sampler, teacher, tok, template="compact", max_prompt_len=512, temperature=1.0,
                                 max_new_tokens=40, seed=0)
-    score = functools.partial(rlt.score_explanations, teacher, student, tok, **{**RWD, "micro_batch": 4}, device="cpu")
-    rlt.export_traces(str(tmp_path / "x.jsonl"), explain, score, tasks, sols, 2, "compact", 0)
+    score_fn = functools.partial(rlt.score_explanations, teacher, student, tok, **{**RWD, "micro_batch": 4}, device="cpu")
+    rlt.export_traces(str(tmp_path / "x.jsonl"), explain, score_fn, tasks, sols, 2, "compact", 0)
     lines = [json.loads(x) for x in open(tmp_path / "x.jsonl")]
     assert len(lines) == 1 and lines[0]["nums"] == [3, 4, 5]                     # task 2: both penalized, left out
     expl = [rlt.explanation_of(t)[0] for t in texts[:2]]
-    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2, **RWD, micro_batch=4, device="cpu")
+    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2, **{**RWD, "micro_batch": 4}, device="cpu")
     best = expl[int(r_ss.argmax())]
     assert lines[0]["completion"] == rlt.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
     assert lines[0]["query"] == D.make_prompt([3, 4, 5], 35, "compact")

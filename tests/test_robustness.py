@@ -149,7 +149,7 @@ def test_clear_one_line_errors(ckpt, tmp_path):
                    "no such checkpoint dir")
     one_line_error(run("grpo.py", "--init", str(no_ckpt), *RL, "--output_dir", str(tmp_path / "b")), "not a checkpoint dir")
     one_line_error(run("sft.py", "--init", "Qwen/Qwen2.5-0.5B", *EVAL, "--output_dir", str(tmp_path / "c"),
-                       env={"HF_ENDPOINT": "http://127.0.0.1:9"}), "--model tiny")
+                       env={"HF_ENDPOINT": "http://127.0.0.1:9"}), "--init tiny")
     wrong = tmp_path / "wrong_fields.jsonl"
     wrong.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
     one_line_error(run("sft.py", "--init", "tiny", *EVAL, "--data", str(wrong), "--output_dir", str(tmp_path / "d")),
