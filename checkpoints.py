@@ -1,6 +1,7 @@
-"""How a run never loses work: atomic HF checkpoints, resumable training states (`--resume`), the rule
-that a finished run is never overwritten silently (`--overwrite`), and what a non-finite step does
-(`--skip_nonfinite`). Every training script calls these the same way; nothing here knows an algorithm."""
+"""How a run never loses work: atomic HF checkpoints, resumable training states (`--resume`), the
+rule that a finished run is never overwritten silently (`--overwrite`), and what a non-finite
+step does (`--skip_nonfinite`). Every training script calls these the same way; nothing here
+knows an algorithm."""
 import contextlib
 import math
 import os
@@ -14,8 +15,9 @@ from common import CountdownError
 
 
 def save_checkpoint(model, tokenizer, output_dir):
-    """Write an HF checkpoint into output_dir without ever leaving a half-written file: save to a temp
-    dir inside it, then os.replace each file (config.json last: it is what marks a checkpoint)."""
+    """Write an HF checkpoint into output_dir without ever leaving a half-written file: save to a
+    temp dir inside it, then os.replace each file (config.json last: it is what marks a
+    checkpoint)."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=output_dir)
     model.save_pretrained(tmp)
@@ -29,8 +31,9 @@ STATE_KEEP = 2  # resumable states kept in OUTPUT_DIR/state/ (the newest)
 
 
 def prepare_run(output_dir, resume="", overwrite=False):
-    """Before a script writes anything, the dir it will write to: `--resume DIR` continues the run in DIR;
-    else a non-empty output_dir is refused unless --overwrite, which clears what a run appends to."""
+    """Before a script writes anything, the dir it will write to: `--resume DIR` continues the run
+    in DIR; else a non-empty output_dir is refused unless --overwrite, which clears what a run
+    appends to."""
     if resume:
         if not latest_state(resume):
             raise CountdownError(f"--resume {resume}: no saved training state in {resume}/state "
@@ -53,9 +56,9 @@ def latest_state(output_dir):
 
 
 def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, **extra):
-    """Everything a run needs to go on at step+1 (weights, optimizer, schedule, the global RNGs, the script's
-    data-order `rng`, a moving reference, and `extra`: its data order), written to a temp dir and renamed to
-    state/step_N: a kill never leaves half a state."""
+    """Everything a run needs to go on at step+1 (weights, optimizer, schedule, the global RNGs, the
+    script's data-order `rng`, a moving reference, and `extra`: its data order), written to a
+    temp dir and renamed to state/step_N: a kill never leaves half a state."""
     root = os.path.join(output_dir, "state")
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
@@ -71,7 +74,8 @@ def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, **e
 
 
 def load_state(output_dir, model, opt, sched=None, rng=None, ref=None):
-    """Restore the newest state of a run in place (what save_state was given); returns (step, extra)."""
+    """Restore the newest state of a run in place (what save_state was given); returns (step,
+    extra)."""
     path = latest_state(output_dir)
     s = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
     model.load_state_dict(s["model"])
@@ -89,8 +93,9 @@ def load_state(output_dir, model, opt, sched=None, rng=None, ref=None):
 
 
 def step_is_finite(step, loss, grad_norm, skip_nonfinite, output_dir):
-    """True when the loss and the gradient norm are finite. Otherwise stop with one line naming the step
-    and the last good state (left intact), or with skip_nonfinite return False: the caller drops the step."""
+    """True when the loss and the gradient norm are finite. Otherwise stop with one line naming the
+    step and the last good state (left intact), or with skip_nonfinite return False: the caller
+    drops the step."""
     if math.isfinite(loss) and math.isfinite(float(grad_norm)):
         return True
     if skip_nonfinite:

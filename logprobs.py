@@ -9,11 +9,12 @@ from common import CountdownError
 
 # ---- tokenization with response masks ------------------------------------------------------------
 def pack(prompt_ids, response_ids, pad_id):
-    """Right-padded (B, T) input_ids, attention_mask, response_mask from token-id lists. The response
-    mask covers the response tokens, EOS included if the response has one; prompt and padding are 0.
-    Masks come from lengths, never from `ids != pad_id`: for Qwen pad == eos."""
+    """Right-padded (B, T) input_ids, attention_mask, response_mask from token-id lists. The
+    response mask covers the response tokens, EOS included if the response has one; prompt and
+    padding are 0. Masks come from lengths, never from `ids != pad_id`: for Qwen pad == eos."""
     seqs = [torch.tensor(p + r, dtype=torch.long) for p, r in zip(prompt_ids, response_ids)]
-    input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)        # (B, T)
+    # (B, T)
+    input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
     pos = torch.arange(input_ids.shape[1])
     ends = torch.tensor([len(s) for s in seqs])[:, None]
     starts = torch.tensor([len(p) for p in prompt_ids])[:, None]
@@ -21,8 +22,9 @@ def pack(prompt_ids, response_ids, pad_id):
 
 
 def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_response_len=1024):
-    """Tokenize prompt and response separately (so the boundary is exact), append EOS to each response
-    (kept in the mask: the model must learn to stop), truncate the response to max_response_len."""
+    """Tokenize prompt and response separately (so the boundary is exact), append EOS to each
+    response (kept in the mask: the model must learn to stop), truncate the response to
+    max_response_len."""
     P = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     R = tokenizer(responses, add_special_tokens=False)["input_ids"]
     too_long = [len(p) for p in P if len(p) > max_prompt_len]
@@ -43,23 +45,26 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
     correct = (logits.argmax(-1) == targets).float()
     entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
     kl = torch.zeros_like(logp)
-    if t_h is not None:  # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab
+    # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab
+    if t_h is not None:
         with torch.no_grad():
-            t_logp = torch.log_softmax(F.linear(t_h, t_weight).float() / kd_temperature, -1)   # (N, V')
+            # (N, V')
+            t_logp = torch.log_softmax(F.linear(t_h, t_weight).float() / kd_temperature, -1)
         s_logp = torch.log_softmax(logits[:, : t_logp.shape[-1]] / kd_temperature, -1)
         kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
     return logp, entropy, kl, correct
 
 
-def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False, teacher=None,
-                kd_temperature=1.0, chunk_size=None, teacher_inputs=None):
-    """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at `temperature`;
-    with a `teacher`, forward KL (B, T-1) at `kd_temperature` over the shared vocab (Qwen pads 151,936
-    vs 152,064: cut to the smaller); the teacher reads `teacher_inputs` = (input_ids, attention_mask) of the
-    same (B, T) shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
-    relative positions), else the same tokens. `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head
-    runs on `chunk_size` positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so
-    memory scales with the chunk, not B x T x V, in forward and (checkpointed) backward."""
+def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
+                teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None):
+    """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
+    `temperature`; with a `teacher`, forward KL (B, T-1) at `kd_temperature` over the shared
+    vocab (Qwen pads 151,936 vs 152,064: cut to the smaller); the teacher reads `teacher_inputs`
+    = (input_ids, attention_mask) of the same (B, T) shape if given (another context, left-padded
+    so the scored tokens line up: RoPE only sees relative positions), else the same tokens.
+    `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
+    positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
+    with the chunk, not B x T x V, in forward and (checkpointed) backward."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     h = hidden[:, :-1][sel]                                                              # (N, H)
@@ -69,15 +74,19 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     if teacher is not None:
         with torch.no_grad():
             t_ids, t_attn = teacher_inputs or (input_ids, attention_mask)
-            t_h = teacher.base_model(input_ids=t_ids, attention_mask=t_attn).last_hidden_state[:, :-1][sel]
+            t_h = teacher.base_model(input_ids=t_ids,
+                                     attention_mask=t_attn).last_hidden_state[:, :-1][sel]
             t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
     chunk_size = chunk_size or max(1, 2**26 // weight.shape[0])
-    recompute = torch.is_grad_enabled() and h.shape[0] > chunk_size  # one chunk: nothing to save by recomputing
+    # one chunk: nothing to save by recomputing
+    recompute = torch.is_grad_enabled() and h.shape[0] > chunk_size
     outs = []
     for s in range(0, h.shape[0], chunk_size):
         c = slice(s, s + chunk_size)
-        args = (h[c], weight, targets[c], temperature, entropy, None if t_h is None else t_h[c], t_weight, kd_temperature)
+        args = (h[c], weight, targets[c], temperature, entropy, None if t_h is None else t_h[c],
+                t_weight, kd_temperature)
         outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
-    cat = lambda k: torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)  # noqa: E731
+    def cat(k):
+        return torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
     return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
             for k, name in enumerate(("logp", "entropy", "kl", "correct"))}

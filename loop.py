@@ -1,7 +1,8 @@
-"""The plumbing around every training loop, so a script's loop shows only its algorithm: `Run` owns the
-data order, the optimizer step with its finite check, the periodic evaluation, checkpoint and
+"""The plumbing around every training loop, so a script's loop shows only its algorithm: `Run` owns
+the data order, the optimizer step with its finite check, the periodic evaluation, checkpoint and
 resumable state, and the log; `StepStats` adds up a step's metrics over its micro-batches;
-`rollout_metrics` are paper 001's flatline diagnostics of an RL batch. Nothing here knows an algorithm."""
+`rollout_metrics` are paper 001's flatline diagnostics of an RL batch. Nothing here knows an
+algorithm."""
 import random
 import time
 
@@ -13,7 +14,8 @@ from models import load_model
 
 
 def load_policy(init, gradient_checkpointing, **tiny_overrides):
-    """(model, tokenizer, device) to train: fp32 master weights (bf16 compute comes from autocast)."""
+    """(model, tokenizer, device) to train: fp32 master weights (bf16 compute comes from
+    autocast)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(init, device, torch.float32, **tiny_overrides)
     if gradient_checkpointing:
@@ -22,8 +24,8 @@ def load_policy(init, gradient_checkpointing, **tiny_overrides):
 
 
 def warmup_lr(opt, lr, step, warmup_steps):
-    """Set and return step's lr: linear up to `lr` over warmup_steps, then constant. A function of the
-    step, so --resume needs no scheduler state."""
+    """Set and return step's lr: linear up to `lr` over warmup_steps, then constant. A function of
+    the step, so --resume needs no scheduler state."""
     lr = lr * min(1.0, step / warmup_steps) if warmup_steps > 0 else lr
     for group in opt.param_groups:
         group["lr"] = lr
@@ -43,9 +45,10 @@ def mix_reference(ref, model, mix):
 
 
 class StepStats:
-    """A step's metrics summed over its micro-batches as `train/<name>`: token means over the batch's
-    `n_tokens` loss tokens, means over its `n_rows` rollouts, maxima, and the sampler/trainer log-prob
-    gap (train/sampler_gap, the weight-sync canary: ~0 when the sampler is the trainer)."""
+    """A step's metrics summed over its micro-batches as `train/<name>`: token means over the
+    batch's `n_tokens` loss tokens, means over its `n_rows` rollouts, maxima, and the
+    sampler/trainer log-prob gap (train/sampler_gap, the weight-sync canary: ~0 when the sampler
+    is the trainer)."""
 
     def __init__(self, n_rows, n_tokens):
         self.n_rows, self.n_tokens = n_rows, max(n_tokens, 1)
@@ -55,7 +58,8 @@ class StepStats:
         self.sums[name] = self.sums.get(name, 0.0) + value
 
     def token_mean(self, name, per_token, mask):
-        """per_token, mask: (b, T-1); this micro-batch's share of the mean over the batch's tokens."""
+        """per_token, mask: (b, T-1); this micro-batch's share of the mean over the batch's
+        tokens."""
         self.add(name, (per_token.detach() * mask).sum().item() / self.n_tokens)
 
     def row_mean(self, name, per_row):
@@ -69,38 +73,48 @@ class StepStats:
         self.gap += ((logp.detach() - sampler_logp).abs() * mask).sum().item()
 
     def metrics(self, passes=1):
-        """The sums over `passes` passes of the batch (GRPO's num_iterations) as their mean per pass."""
+        """The sums over `passes` passes of the batch (GRPO's num_iterations) as their mean per
+        pass."""
         out = {f"train/{k}": v / passes for k, v in self.sums.items()}
-        return {**out, **{f"train/{k}": v for k, v in self.maxima.items()}, "train/sampler_gap": self.gap / self.n_tokens}
+        out.update({f"train/{k}": v for k, v in self.maxima.items()})
+        return {**out, "train/sampler_gap": self.gap / self.n_tokens}
 
 
 def rollout_metrics(ro, exact, reward, adv):
-    """Paper 001's flatline diagnostics of an RL batch. exact (B*G,): verifier scores 0/0.1/1; reward
-    (B, G): what the advantage saw; adv (B*G,). A group whose rewards are all equal has A = 0."""
-    n, group_std = len(ro.completion_ids), reward.std(1)                                  # (B,) within-group spread
+    """Paper 001's flatline diagnostics of an RL batch. exact (B*G,): verifier scores 0/0.1/1;
+    reward (B, G): what the advantage saw; adv (B*G,). A group whose rewards are all equal has A
+    = 0."""
+    n, group_std = len(ro.completion_ids), reward.std(1)  # (B,) within-group spread
     return {"train/reward": reward.mean(), "train/accuracy": (exact == 1).float().mean(),
             "train/format": (exact > 0).float().mean(), "train/reward_std": group_std.mean(),
             "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
-            "train/resp_len": sum(map(len, ro.completion_ids)) / n, "train/truncated": 1 - sum(ro.finished) / n}
+            "train/resp_len": sum(map(len, ro.completion_ids)) / n,
+            "train/truncated": 1 - sum(ro.finished) / n}
 
 
 class Run:
-    """Everything around a training loop that is not its algorithm. On --resume it restores the weights,
-    optimizer, schedule, RNGs, moving reference and data order of the newest state, so step start+1 runs
-    as if never stopped. `evaluate()` returns the eval/ metrics: run at step 0, every `eval_every` steps
-    and at the end, each time beside an HF checkpoint in output_dir; a resumable state every `save_every`."""
+    """Everything around a training loop that is not its algorithm. On --resume it restores the
+    weights, optimizer, schedule, RNGs, moving reference and data order of the newest state, so
+    step start+1 runs as if never stopped. `evaluate()` returns the eval/ metrics: run at step 0,
+    every `eval_every` steps and at the end, each time beside an HF checkpoint in output_dir; a
+    resumable state every `save_every`."""
 
-    def __init__(self, output_dir, total_steps, model, tok, opt, evaluate, *, sched=None, ref=None, seed=0,
-                 resume=False, grad_clip=1.0, skip_nonfinite=False, eval_every=0, save_every=25, config=None,
-                 wandb_project="", eval_first=True, lr=None, warmup_steps=0):
-        self.output_dir, self.total, self.model, self.tok, self.opt = output_dir, total_steps, model, tok, opt
-        self.evaluate, self.sched, self.ref, self.grad_clip = evaluate, sched, ref, grad_clip
-        self.lr, self.warmup_steps = lr, warmup_steps  # lr: a constant lr after warm-up; None: `sched` sets it
-        self.skip_nonfinite, self.eval_every, self.save_every = skip_nonfinite, eval_every, save_every
+    def __init__(self, output_dir, total_steps, model, tok, opt, evaluate, *, sched=None, ref=None,
+                 seed=0, resume=False, grad_clip=1.0, skip_nonfinite=False, eval_every=0,
+                 save_every=25, config=None, wandb_project="", eval_first=True, lr=None,
+                 warmup_steps=0):
+        self.output_dir, self.total, self.model, self.tok = output_dir, total_steps, model, tok
+        self.opt, self.evaluate, self.sched, self.ref = opt, evaluate, sched, ref
+        # lr: a constant lr after warm-up; None: `sched` sets it
+        self.lr, self.warmup_steps = lr, warmup_steps
+        self.grad_clip, self.skip_nonfinite = grad_clip, skip_nonfinite
+        self.eval_every, self.save_every = eval_every, save_every
         self.eval_first = eval_first  # SFT has nothing to measure at step 0
         self.rng = random.Random(seed)  # the data order's
-        self.start, self.extra = load_state(output_dir, model, opt, sched, self.rng, ref) if resume else (0, {})
-        self.order, self.skipped, self.grad_norms = self.extra.get("order", []), self.extra.get("skipped", 0), []
+        self.start, self.extra = load_state(output_dir, model, opt, sched, self.rng,
+                                            ref) if resume else (0, {})
+        self.order, self.skipped = self.extra.get("order", []), self.extra.get("skipped", 0)
+        self.grad_norms = []  # this step's (GRPO makes several)
         self.log = Logger(output_dir, total_steps, config, wandb_project, self.start)
 
     def steps(self):
@@ -130,8 +144,9 @@ class Run:
         self.t_sample = time.time() - self.t0
 
     def optimizer_step(self, step, loss):
-        """Clip the gradient, step if the loss and gradient are finite (else stop with one line naming the
-        last good state, or with --skip_nonfinite drop the step), then the schedule; returns the grad norm."""
+        """Clip the gradient, step if the loss and gradient are finite (else stop with one line
+        naming the last good state, or with --skip_nonfinite drop the step), then the schedule;
+        returns the grad norm."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         if step_is_finite(step, loss, grad_norm, self.skip_nonfinite, self.output_dir):
             self.opt.step()
@@ -144,19 +159,22 @@ class Run:
         return grad_norm
 
     def end_step(self, step, metrics, **extra):
-        """Log the step's metrics (with lr, grad norm, skipped steps and times), evaluate and checkpoint
-        when due, and save a resumable state when due (with the script's `extra` data state)."""
+        """Log the step's metrics (with lr, grad norm, skipped steps and times), evaluate and
+        checkpoint when due, and save a resumable state when due (with the script's `extra` data
+        state)."""
+        now = time.time()
         metrics.update({"train/lr": self.opt.param_groups[0]["lr"], "train/skipped_steps": self.skipped,
-                        "train/grad_norm": sum(self.grad_norms) / len(self.grad_norms), "time/sample": self.t_sample,
-                        "time/update": time.time() - self.t0 - self.t_sample, "time/step": time.time() - self.t0})
+                        "train/grad_norm": sum(self.grad_norms) / len(self.grad_norms),
+                        "time/sample": self.t_sample, "time/update": now - self.t0 - self.t_sample,
+                        "time/step": now - self.t0})
         self.grad_norms = []
         if step == self.total or (self.eval_every and step % self.eval_every == 0):
             metrics.update(self.evaluate())
             save_checkpoint(self.model, self.tok, self.output_dir)
         self.log.log(step, metrics)
         if step == self.total or step % self.save_every == 0:
-            save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng, self.ref, order=self.order,
-                       skipped=self.skipped, **extra)
+            save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng, self.ref,
+                       order=self.order, skipped=self.skipped, **extra)
 
     def close(self):
         self.log.close()

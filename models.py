@@ -1,5 +1,5 @@
-"""Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (a few M parameters)
-and its byte-level BPE tokenizer trained on the task's own text."""
+"""Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (a few M
+parameters) and its byte-level BPE tokenizer trained on the task's own text."""
 import functools
 import json
 import os
@@ -19,12 +19,13 @@ TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key
 
 @functools.lru_cache(maxsize=1)
 def build_tiny_tokenizer(vocab_size=384):
-    """A byte-level BPE (exact round trip for any text) trained on the task's own text, one token per
-    digit so any number can be written, the four tags as single tokens. Deterministic."""
+    """A byte-level BPE (exact round trip for any text) trained on the task's own text, one token
+    per digit so any number can be written, the four tags as single tokens. Deterministic."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     rng, corpus = random.Random(0), []
-    for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25), target_range=(1, 200))["x"]:
+    for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25),
+                                         target_range=(1, 200))["x"]:
         for template in TEMPLATES:
             corpus.append(make_prompt(task["nums"], task["target"], template) + verifier.make_trace(task["nums"], task["target"], rng, 2.0))
     tok = Tokenizer(models.BPE())
@@ -36,13 +37,15 @@ def build_tiny_tokenizer(vocab_size=384):
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
     # pad != eos on purpose: a mask built from `ids != pad` would then never drop the real EOS.
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>")
 
 
 def build_tiny_model(tokenizer, **overrides):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **{**TINY, **overrides})
+    cfg = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      bos_token_id=None, **{**TINY, **overrides})
     return Qwen2ForCausalLM(cfg)
 
 
@@ -54,7 +57,8 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
         PreTrainedTokenizerFast,
     )
     from transformers.utils import logging
-    logging.disable_progress_bar()  # one console line per step: no "Loading weights" bars in between
+    # one console line per step: no "Loading weights" bars in between
+    logging.disable_progress_bar()
     if name == "tiny":
         tokenizer = build_tiny_tokenizer()
         return build_tiny_model(tokenizer, **tiny_overrides).to(device, dtype), tokenizer
@@ -66,8 +70,10 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     hint = "" if os.path.exists(name) else " The embedded alternative needs no hub: the model `tiny`, e.g. sft.py --init tiny (see README)"
     if hint:
         check_hub(f"model '{name}'", hint)
-    # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would drop the
-    # tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed one as saved.
+    # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would
+    # drop the
+    # tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed one as
+    # saved.
     tok_cfg = os.path.join(name, "tokenizer_config.json")
     plain = os.path.isfile(tok_cfg) and json.load(open(tok_cfg)).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
     try:
@@ -76,13 +82,14 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     except OSError as e:
         raise CountdownError(f"could not load {name}: {e}{hint}") from None
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # Qwen base: pad == eos, so masks come from lengths
+        # Qwen base: pad == eos, so masks come from lengths
+        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
 def check_same_tokenizer(tok, other, name, other_name):
-    """Token-level KL between two models needs one vocabulary (Qwen 0.5B and 7B share theirs; only the
-    embedding padding differs, which token_stats cuts off)."""
+    """Token-level KL between two models needs one vocabulary (Qwen 0.5B and 7B share theirs; only
+    the embedding padding differs, which token_stats cuts off)."""
     if tok.get_vocab() != other.get_vocab():
         raise CountdownError(f"{name} and {other_name} have different tokenizers ({len(tok)} vs {len(other)} tokens): "
                              "a token-level KL needs one vocabulary; train both from the same base (any `tiny` shares one)")

@@ -1,24 +1,27 @@
-"""OPD: on-policy distillation from a frozen teacher, hybrid with RLOO (paper 000 §3.3, Algorithm 1).
+"""OPD: on-policy distillation from a frozen teacher, hybrid with RLOO (paper 000 §3.3, Algorithm
+1).
 
-    L = λ_KL · mean_t KL(softmax(z_T/T) ‖ softmax(z_S/T)) + λ_RL · L_PG − λ_H · mean_t H(π_θ)   (Eq. 4)
-    L_PG = −w_i A_i log π_θ(y_i|x),  A_i = R_i − mean_{j≠i} R_j,  w_i = clip(π_θ/μ, max 10)     (Eq. 3)
-
-The student samples; the teacher only scores the student's own tokens, so its guidance lands where
+    L = λ_KL · mean_t KL(softmax(z_T/T) ‖ softmax(z_S/T)) + λ_RL · L_PG − λ_H · mean_t H(π_θ)  (4)
+    L_PG = −w_i A_i log π_θ(y_i|x),  A_i = R_i − mean_{j≠i} R_j,  w_i = clip(π_θ/μ, max 10)    (3)
+ The student samples; the teacher only scores the student's own tokens, so its guidance lands where
 the student actually goes. Forward KL (teacher first) is mode-covering: the student pays for giving
 low mass to any token the teacher finds plausible. λ_KL = λ_RL = 0.5 lets the verifier overrule an
 imperfect teacher. Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_coef 1e-2
 --kd_temperature 1.3. L_PG and H use the rollout distribution softmax(z_S / --temperature), the one
-μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its clip (000 App. B: ~12.4).
-Departures from the paper:
-  1. The KL and the entropy are means over each rollout's tokens, then averaged over rollouts like L_PG.
+μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its clip (000 App. B:
+~12.4). Departures from the paper:
+  1. The KL and the entropy are means over each rollout's tokens, then averaged over rollouts like
+     L_PG.
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
   3. Embedded setting: a stronger tiny teacher written by sft.py, 32 prompts x 8, lr 2e-4, a wrong
      answer rewarded -0.5 in the RL half (README, "OPD"; docs/arithmetic.md).
 
 Real (1×H100, the paper's recipe = the defaults):
   python opd.py --init out/sft --teacher out/teacher --backend vllm
-  anti-collapse: python opd.py --init out/opd --entropy_coef 1e-2 --kd_temperature 1.3 --max_steps 150
-CPU (embedded): the `opd` and `opd_anticollapse` stages of run_cpu.sh, which prints their exact commands.
+  anti-collapse: python opd.py --init out/opd --entropy_coef 1e-2 --kd_temperature 1.3 \\
+                 --max_steps 150
+CPU (embedded): the `opd` and `opd_anticollapse` stages of run_cpu.sh, which prints their exact
+commands.
 """
 from dataclasses import dataclass
 from functools import partial
@@ -26,7 +29,8 @@ from functools import partial
 import torch
 
 from checkpoints import prepare_run
-from common import CountdownError, VerifierRLArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
+from common import (CountdownError, VerifierRLArgs, arg, autocast, check_rl_args, cli, parse_args,
+                    seed_everything)
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
@@ -38,19 +42,25 @@ from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 @dataclass
 class Args(VerifierRLArgs):
     # shared, with this script's defaults (000 Table 5)
-    init: str = arg("out/sft", "checkpoint to start from (the student: SFT model, or OPD for anti-collapse)")
+    init: str = arg("out/sft",
+                    "checkpoint to start from (the student: SFT model, or OPD for anti-collapse)")
     output_dir: str = arg("out/opd", "where the checkpoint, args.json and metrics.jsonl go")
     lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
-    batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: 128 x 8)")
-    micro_batch: int = arg(8, "rollouts per forward/backward (bounds memory: student + teacher activations)")
+    batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: "
+                               "128 x 8)")
+    micro_batch: int = arg(8, "rollouts per forward/backward (bounds memory: student + teacher "
+                              "activations)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
     grad_clip: float = arg(1.0, "global grad-norm clip (000 Table 5)")
     max_response_len: int = arg(1024, "rollout budget in new tokens (000 Table 5)")
-    max_steps: int = arg(100, "optimizer steps, one rollout batch each (000 Table 5: 100; anti-collapse 150)")
+    max_steps: int = arg(100, "optimizer steps, one rollout batch each (000 Table 5: 100; "
+                              "anti-collapse 150)")
     # OPD specific
-    teacher: str = arg("out/teacher", "frozen teacher checkpoint; must share the student's tokenizer")
+    teacher: str = arg("out/teacher",
+                       "frozen teacher checkpoint; must share the student's tokenizer")
     kl_coef: float = arg(0.5, "λ_KL, weight of the forward KL to the teacher (000 Algorithm 1)")
-    rl_coef: float = arg(0.5, "λ_RL, weight of the RLOO policy gradient (000 Algorithm 1; 0: pure distillation)")
+    rl_coef: float = arg(0.5, "λ_RL, weight of the RLOO policy gradient (000 Algorithm 1; 0: pure "
+                              "distillation)")
     entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2)")
     kd_temperature: float = arg(1.0, "T of the distillation KL (000: 1.0; anti-collapse 1.3)")
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
@@ -64,19 +74,20 @@ def rloo_advantages(reward):
     return reward - baseline
 
 
-def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, kl_coef, rl_coef, entropy_coef, is_clip):
+def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, kl_coef, rl_coef, entropy_coef,
+             is_clip):
     """Algorithm 1 lines 5-9 per rollout (b,). logp, old_logp: the student's and the sampler μ's
-    log-probs of the sampled tokens, both at the rollout temperature; teacher_kl: KL(teacher ‖ student)
-    at kd_temperature per token; entropy: the student's; all (b, T-1); mask (b, T-1); adv (b,).
-    The caller averages over rollouts."""
+    log-probs of the sampled tokens, both at the rollout temperature; teacher_kl: KL(teacher ‖
+    student) at kd_temperature per token; entropy: the student's; all (b, T-1); mask (b, T-1);
+    adv (b,). The caller averages over rollouts."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
-    logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)               # (b,) log π(y_i|x)
-    w_raw = (logp_seq - old_seq).detach().exp()                                        # (b,) line 6, detached
+    logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)  # (b,) log π(y_i|x)
+    w_raw = (logp_seq - old_seq).detach().exp()  # (b,) line 6, detached
     w = w_raw.clamp(max=is_clip)
     pg = -w * adv * logp_seq                                                           # (b,) line 7
-    kl = (teacher_kl * mask).sum(-1) / n_tok                                           # (b,) line 5: mean_t
-    ent = (entropy * mask).sum(-1) / n_tok                                             # (b,) line 8: mean_t
-    loss = kl_coef * kl + rl_coef * pg - entropy_coef * ent                            # (b,) line 9 (Eq. 4)
+    kl = (teacher_kl * mask).sum(-1) / n_tok  # (b,) line 5: mean_t
+    ent = (entropy * mask).sum(-1) / n_tok  # (b,) line 8: mean_t
+    loss = kl_coef * kl + rl_coef * pg - entropy_coef * ent  # (b,) line 9 (Eq. 4)
     return loss, {"pg": pg.detach(), "is_weight": w, "is_weight_raw": w_raw}
 
 
@@ -85,39 +96,46 @@ def main(argv=None):
     check_rl_args(args.group_size, args.reward)
     if args.kd_temperature <= 0:
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
-    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing)
-    # The teacher never trains: bf16 weights on a GPU halve its memory (000: a 7B teacher, a 0.5B student).
-    teacher, teacher_tok = load_model(args.teacher, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    # The teacher never trains: bf16 weights on a GPU halve its memory (000: a 7B teacher, a 0.5B
+    # student).
+    teacher, teacher_tok = load_model(args.teacher, device,
+                                      torch.bfloat16 if device == "cuda" else torch.float32)
     teacher.eval().requires_grad_(False)
     check_same_tokenizer(tok, teacher_tok, args.init, args.teacher)
-    tasks, eval_tasks = load_tasks(args.data, "train"), load_tasks(args.eval_data, "val", args.eval_problems)
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (000)
-    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens,
-                       args.template, args.seed, sampler)
+    tasks = load_tasks(args.data, "train")
+    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
+                       args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
         batch = run.next_tasks(tasks, B)
-        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, args.temperature,
-                      args.max_response_len, step_seed(args.seed, step))
+        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
+                      args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)     # (B*G,), (B, G)
+        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch: student with grad, teacher without ----
         stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
-        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id, device):
-            with autocast(device, model, teacher):  # logp, entropy at the rollout T, the KL at kd_temperature
-                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True, teacher=teacher,
-                                 kd_temperature=args.kd_temperature)
+        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id,
+                                                             device):
+            # logp, entropy at the rollout T, the KL at kd_temperature
+            with autocast(device, model, teacher):
+                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True,
+                                 teacher=teacher, kd_temperature=args.kd_temperature)
             m = mask[:, 1:].float()                                                    # (b, T-1)
-            loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m, adv[rows].to(device),
-                                   args.kl_coef, args.rl_coef, args.entropy_coef, args.is_clip)
-            loss = loss.sum() / (B * G)                                                # mean over rollouts
+            loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m,
+                                   adv[rows].to(device), args.kl_coef, args.rl_coef,
+                                   args.entropy_coef, args.is_clip)
+            loss = loss.sum() / (B * G)  # mean over rollouts
             loss.backward()
             stats.add("loss", loss.item())
             for k in ("pg", "is_weight", "is_weight_raw"):

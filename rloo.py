@@ -2,11 +2,10 @@
 
     A_i = R_i − 1/(G−1) Σ_{j≠i} R_j        L_PG = −(1/G) Σ_i w_i A_i log π_θ(y_i|x)         (Eq. 3)
     w_i = clip(π_θ(y_i)/μ(y_i), max 10), detached;   L = L_PG − λ_H H(π_θ) + λ_KL KL(π_θ‖μ)
-
-The other G−1 rollouts of the prompt are the baseline: no critic, and a group the policy always or
-never solves gives A = 0 (paper 001's "flatline"; `--reward dense` gives near misses partial credit).
-log π_θ and log μ are both of softmax(logits / T), the distribution that sampled (as TRL does).
-`train/is_weight_raw` is w before its clip: paper 000 (App. B) watches it drift to ~12.4.
+ The other G−1 rollouts of the prompt are the baseline: no critic, and a group the policy always or
+never solves gives A = 0 (paper 001's "flatline"; `--reward dense` gives near misses partial
+credit). log π_θ and log μ are both of softmax(logits / T), the distribution that sampled (as TRL
+does). `train/is_weight_raw` is w before its clip: paper 000 (App. B) watches it drift to ~12.4.
 Departures from the paper:
   1. The paper names no estimator or direction for the KL to the sampler μ. We use k3 (001 §3.1.4)
      times the differentiable ratio π_θ/μ: on μ's tokens its gradient is KL(π_θ‖μ)'s (--no-kl_ratio:
@@ -14,7 +13,8 @@ Departures from the paper:
      vLLM's snapshot or a slower sync.
   2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
   3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 2e-4, 20 steps, and a wrong
-     answer rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for a false "found" (docs/arithmetic.md).
+     answer rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for a false "found"
+     (docs/arithmetic.md).
 
 Real (1×H100, the paper's recipe = the defaults):
   python rloo.py --init out/sft --backend vllm --output_dir out/rloo
@@ -40,7 +40,8 @@ class Args(VerifierRLArgs):
     init: str = arg("out/sft", "checkpoint to start from (the SFT model)")
     output_dir: str = arg("out/rloo", "where the checkpoint, args.json and metrics.jsonl go")
     lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
-    batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: 128 x 8)")
+    batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: "
+                               "128 x 8)")
     micro_batch: int = arg(8, "rollouts per forward/backward (001: one group; bounds memory)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
     grad_clip: float = arg(1.0, "global grad-norm clip (000 Table 5)")
@@ -49,7 +50,8 @@ class Args(VerifierRLArgs):
     entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2)")
     kl_coef: float = arg(1e-3, "λ_KL, KL penalty to the sampling policy μ (000 Table 5)")
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
-    kl_ratio: bool = arg(True, "k3 times the ratio π_θ/μ: the gradient of KL(π_θ‖μ) (--no-kl_ratio: plain k3)")
+    kl_ratio: bool = arg(True, "k3 times the ratio π_θ/μ: the gradient of KL(π_θ‖μ) "
+                               "(--no-kl_ratio: plain k3)")
 
 
 def rloo_advantages(reward):
@@ -61,8 +63,9 @@ def rloo_advantages(reward):
 
 
 def importance_weights(logp_seq, old_seq, clip):
-    """w_i = clip(π_θ(y_i)/μ(y_i), max `clip`) on whole sequences, detached: it rescales the gradient
-    of a rollout the snapshot μ sampled; it is not itself optimized. (b,), (b,) -> clipped w, raw w"""
+    """w_i = clip(π_θ(y_i)/μ(y_i), max `clip`) on whole sequences, detached: it rescales the
+    gradient of a rollout the snapshot μ sampled; it is not itself optimized. (b,), (b,) ->
+    clipped w, raw w"""
     raw = (logp_seq - old_seq).detach().exp()
     return raw.clamp(max=clip), raw
 
@@ -70,23 +73,24 @@ def importance_weights(logp_seq, old_seq, clip):
 def k3_kl(logp, other_logp, sample_logp=None):
     """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative.
     On tokens from π_θ its value estimates KL(π_θ ‖ other), but as a loss its gradient is
-    KL(other ‖ π_θ)'s. With `sample_logp`, the log-probs of the policy μ that drew the tokens, k3 is
-    multiplied by the differentiable ratio π_θ/μ (TRL's use_bias_correction_kl): over μ's tokens its
-    expectation is then KL(π_θ ‖ other) and its gradient that KL's (tests/test_rl.py checks both)."""
+    KL(other ‖ π_θ)'s. With `sample_logp`, the log-probs of the policy μ that drew the tokens, k3
+    is multiplied by the differentiable ratio π_θ/μ (TRL's use_bias_correction_kl): over μ's
+    tokens its expectation is then KL(π_θ ‖ other) and its gradient that KL's (tests/test_rl.py
+    checks both)."""
     log_r = other_logp - logp
     k3 = log_r.exp() - 1 - log_r
     return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
 def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip, kl_ratio=True):
-    """Eq. 3 plus the entropy bonus and the KL to μ, per rollout (b,). logp, old_logp (the sampler μ),
-    entropy, mask: (b, T-1); adv: (b,). The caller sums over rollouts and divides by B·G."""
+    """Eq. 3 plus the entropy bonus and the KL to μ, per rollout (b,). logp, old_logp (the sampler
+    μ), entropy, mask: (b, T-1); adv: (b,). The caller sums over rollouts and divides by B·G."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
-    logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)               # (b,) log π(y_i|x)
+    logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)  # (b,) log π(y_i|x)
     w, w_raw = importance_weights(logp_seq, old_seq, is_clip)
     pg = -w * adv * logp_seq                                                           # (b,) Eq. 3
-    ent = (entropy * mask).sum(-1) / n_tok                                             # (b,) mean token entropy
-    kl_tok = k3_kl(logp, old_logp, old_logp if kl_ratio else None)                     # (b, T-1) KL(π_θ‖μ)
+    ent = (entropy * mask).sum(-1) / n_tok  # (b,) mean token entropy
+    kl_tok = k3_kl(logp, old_logp, old_logp if kl_ratio else None)  # (b, T-1) KL(π_θ‖μ)
     kl = (kl_tok * mask).sum(-1) / n_tok                                               # (b,)
     loss = pg - entropy_coef * ent + kl_coef * kl
     return loss, {"kl": kl_tok.detach(), "is_weight": w, "is_weight_raw": w_raw}
@@ -95,37 +99,41 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward)
-    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing)
-    tasks, eval_tasks = load_tasks(args.data, "train"), load_tasks(args.eval_data, "val", args.eval_problems)
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (000)
-    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens,
-                       args.template, args.seed, sampler)
+    tasks = load_tasks(args.data, "train")
+    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
+                       args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
         batch = run.next_tasks(tasks, B)
-        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, args.temperature,
-                      args.max_response_len, step_seed(args.seed, step))
+        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
+                      args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)     # (B*G,), (B, G)
+        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
-        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id, device):
+        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id,
+                                                             device):
             with autocast(device, model):
-                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)  # of logits / T
+                # of logits / T
+                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device),
                                     args.entropy_coef, args.kl_coef, args.is_clip, args.kl_ratio)
-            loss = loss.sum() / (B * G)                                                # −(1/G) Σ_i, mean over prompts
+            loss = loss.sum() / (B * G)  # −(1/G) Σ_i, mean over prompts
             loss.backward()
             stats.add("loss", loss.item())
-            stats.row_mean("is_weight", parts["is_weight"])                            # clipped, and as 000 watches it
+            stats.row_mean("is_weight", parts["is_weight"])  # clipped, and as 000 watches it
             stats.row_mean("is_weight_raw", parts["is_weight_raw"])
             stats.token_mean("entropy", st["entropy"], m)
             stats.token_mean("kl", parts["kl"], m)

@@ -1,27 +1,33 @@
-"""RLT: a Reinforcement-Learned Teacher that explains a given solution to a frozen student (paper 004 §3).
+"""RLT: a Reinforcement-Learned Teacher that explains a given solution to a frozen student (paper
+004 §3).
 
-    r_SS = avg_t log π_s(s_t | q, e) + α · min_t log π_s(s_t | q, e)                                  (Eq. 3)
-    r_KL = avg_t KL(π_θ(·| q, s, e_<t) ‖ π_s(·| q, e_<t)) + α · max_t KL(...)   over explanation tokens (Eq. 4)
-    r = r_SS − λ r_KL (+ −1 if e never closes </think>)  (λ 3, α 0.01, §A.1)   A = GRPO's Eq. 2 on r   (Eq. 5-6)
+    r_SS = avg_t log π_s(s_t | q, e) + α · min_t log π_s(s_t | q, e)                     (Eq. 3)
+    r_KL = avg_t KL(π_θ(·| q, s, e_<t) ‖ π_s(·| q, e_<t)) + α · max_t KL(...), over e    (Eq. 4)
+    r = r_SS − λ r_KL (+ −1 if e never closes </think>)  (λ 3, α 0.01, §A.1)
+    A = GRPO's Eq. 2 on r                                                             (Eq. 5-6)
 
-The teacher sees the question *and* the solver's equation and writes the explanation e; the reward asks
-the frozen student two things: does e make the solution likely (r_SS), and is every step of e a likely
-step from the student's side, without the solution in view (r_KL)? A dense reward: no exploration wall.
-The format penalty is *added*: a penalized explanation is still scored, so dropping </think> never pays.
-Departures from the paper:
+The teacher sees the question *and* the solver's equation and writes the explanation e; the reward
+asks the frozen student two things: does e make the solution likely (r_SS), and is every step of e a
+likely step from the student's side, without the solution in view (r_KL)? A dense reward: no
+exploration wall. The format penalty is *added*: a penalized explanation is still scored, so
+dropping </think> never pays. Departures from the paper:
   1. Prompt formats (004 Fig. 6-7) are the Countdown ones: the teacher's assistant turn opens with
-     `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e, `</think>\\n<answer>s</answer>`.
-  2. r_SS scores the expression and `</answer>`; the explanation is retokenized from its text. One that never
-     closes </think> (cut at --max_response_len, or ended without it) is scored as all of its text.
-  3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass, KL to a synced reference,
-     log-probs of the sampling distribution (logits / T, T = 0.7) on both sides of ρ.
-  4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8 (README, "RLT").
+     `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e,
+     `</think>\\n<answer>s</answer>`.
+  2. r_SS scores the expression and `</answer>`; the explanation is retokenized from its text. One
+     that never closes </think> (cut at --max_response_len, or ended without it) is scored as all
+     of its text.
+  3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass, KL to a synced
+     reference, log-probs of the sampling distribution (logits / T, T = 0.7) on both sides of ρ.
+  4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8
+     (README, "RLT").
 
 Real (1×H100):
   python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
 CPU (embedded): the `rlt` stage of run_cpu.sh, which prints its exact command.
 """
 import copy
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -30,7 +36,8 @@ from functools import partial
 import torch
 
 from checkpoints import prepare_run
-from common import CountdownError, RLArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
+from common import (CountdownError, RLArgs, arg, autocast, check_rl_args, cli, parse_args,
+                    seed_everything)
 from data import load_tasks, make_prompt
 from logprobs import token_stats
 from loop import Run, StepStats, load_policy, mix_reference, step_seed
@@ -42,10 +49,13 @@ from verifier import solve
 @dataclass
 class Args(RLArgs):
     # shared, with this script's defaults (004 Table 3)
-    init: str = arg("out/sft", "checkpoint the teacher starts from (004: after a short SFT in its format)")
-    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks to explain (its train split; unsolvable ones "
-                                                      "are skipped)")
-    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4", "tasks for periodic held-out reward (its `val` split)")
+    init: str = arg("out/sft",
+                    "checkpoint the teacher starts from (004: after a short SFT in its format)")
+    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4",
+                    "tasks to explain (its train split; unsolvable ones "
+                    "are skipped)")
+    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4",
+                         "tasks for periodic held-out reward (its `val` split)")
     output_dir: str = arg("out/rlt", "where the checkpoint, args.json and metrics.jsonl go")
     template: str = arg("base", "prompt template of the student format: base | compact")
     lr: float = arg(1e-6, "constant learning rate (004 Table 3)")
@@ -54,38 +64,46 @@ class Args(RLArgs):
     micro_batch: int = arg(8, "rows per forward/backward (bounds memory)")
     weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 3)")
     grad_clip: float = arg(1.0, "global grad-norm clip (004 Table 3)")
-    max_response_len: int = arg(1024, "explanation budget in new tokens; one cut before </think> gets --penalty")
+    max_response_len: int = arg(1024, "explanation budget in new tokens; one cut before </think> "
+                                      "gets --penalty")
     eval_every: int = arg(25, "steps between held-out evaluations (0: only at start and end)")
     eval_samples: int = arg(4, "explanations per held-out problem")
-    max_steps: int = arg(125, "rollout batches, one optimizer step each (004 Table 3; 0: only --export)")
+    max_steps: int = arg(125, "rollout batches, one optimizer step each (004 Table 3; 0: only "
+                              "--export)")
     group_size: int = arg(64, "G explanations per prompt (004 Table 3: 64)")
-    temperature: float = arg(0.7, "sampling temperature; log-probs are of logits / T (004 Table 3: 0.7)")
+    temperature: float = arg(0.7, "sampling temperature; log-probs are of logits / T (004 Table "
+                                  "3: 0.7)")
     # RLT specific
-    student: str = arg("out/sft", "the frozen student whose log-probs make the reward; shares the tokenizer")
+    student: str = arg("out/sft",
+                       "the frozen student whose log-probs make the reward; shares the tokenizer")
     lam: float = arg(3.0, "λ, weight of r_KL (004 Table 3: 3)")
     alpha: float = arg(0.01, "α, weight of the min / max terms in r_SS / r_KL (004 Table 3: 0.01)")
     penalty: float = arg(-1.0, "added to the reward of an explanation that never closes </think> "
                                "(004 §A.1, Table 3: −1)")
     beta: float = arg(0.04, "β, weight of the KL to the reference teacher (004 Table 3)")
-    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: DeepSeekMath's k3, "
-                               "KL(π_ref‖π_θ)'s)")
+    kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: "
+                               "DeepSeekMath's k3, KL(π_ref‖π_θ)'s)")
     epsilon: float = arg(0.2, "PPO clip ε (DeepSeekMath and TRL: 0.2)")
-    ref_sync_every: int = arg(32, "every N steps π_ref ← mix · π_θ + (1 − mix) · π_ref (004 Table 3: 32; 0: never)")
+    ref_sync_every: int = arg(32, "every N steps π_ref ← mix · π_θ + (1 − mix) · π_ref (004 Table "
+                                  "3: 32; 0: never)")
     ref_sync_mix: float = arg(0.9, "the mixup of a reference sync (004 Table 3: 0.9)")
-    export: str = arg("", "after training, write student-format traces (query/completion JSONL) for sft.py --data")
+    export: str = arg("", "after training, write student-format traces (query/completion JSONL) "
+                          "for sft.py --data")
     export_problems: int = arg(2000, "train problems to export, from the first")
-    export_best_of: int = arg(1, "explanations drawn per exported problem; the best r_SS one is kept")
+    export_best_of: int = arg(1,
+                              "explanations drawn per exported problem; the best r_SS one is kept")
 
 
-# ---- the two prompt formats (004 Fig. 6-7, adapted) ------------------------------------------------
+# ---- the two prompt formats (004 Fig. 6-7, adapted) ----------------------------------------------
 def student_prompt(task, template):
-    return make_prompt(task["nums"], task["target"], template)                         # ends with "<think>"
+    return make_prompt(task["nums"], task["target"], template)  # ends with "<think>"
 
 
 def teacher_prompt(task, solution, template):
-    """The student's prompt with the solution first in the assistant's turn; the explanation then opens
-    <think> (004 Fig. 7: solution block, then the explanation block)."""
-    return student_prompt(task, template).removesuffix("<think>") + f"<answer>{solution}</answer>\n<think>"
+    """The student's prompt with the solution first in the assistant's turn; the explanation then
+    opens <think> (004 Fig. 7: solution block, then the explanation block)."""
+    prompt = student_prompt(task, template).removesuffix("<think>")
+    return prompt + f"<answer>{solution}</answer>\n<think>"
 
 
 def student_completion(explanation, solution):
@@ -94,30 +112,33 @@ def student_completion(explanation, solution):
 
 
 def explanation_of(text):
-    """(explanation, penalized) of a teacher completion: the text before </think>, and whether the tag is
-    missing (004 §A.1: the explanation ran past the budget, or ended untagged). What follows a closed
-    </think> does not count: a completion cut there still has a whole explanation."""
+    """(explanation, penalized) of a teacher completion: the text before </think>, and whether the
+    tag is missing (004 §A.1: the explanation ran past the budget, or ended untagged). What
+    follows a closed </think> does not count: a completion cut there still has a whole
+    explanation."""
     return text.split("</think>")[0], "</think>" not in text
 
 
-# ---- the reward (004 Eq. 3-5) ----------------------------------------------------------------------
+# ---- the reward (004 Eq. 3-5) --------------------------------------------------------------------
 def rlt_reward(logp, kl, sol_mask, expl_mask, alpha, lam):
-    """Per row (b,): r, r_SS, r_KL. logp: the student's log-probs; kl: KL(teacher ‖ student) per token;
-    sol_mask / expl_mask: where the solution / explanation tokens are; all (b, T-1). An empty explanation
-    has r_KL = 0 (KL is never negative, so max over an empty set is taken as 0)."""
+    """Per row (b,): r, r_SS, r_KL. logp: the student's log-probs; kl: KL(teacher ‖ student) per
+    token; sol_mask / expl_mask: where the solution / explanation tokens are; all (b, T-1). An
+    empty explanation has r_KL = 0 (KL is never negative, so max over an empty set is taken as
+    0)."""
     n_sol, n_expl = sol_mask.sum(-1).clamp(min=1), expl_mask.sum(-1).clamp(min=1)     # (b,)
-    r_ss = (logp * sol_mask).sum(-1) / n_sol + alpha * logp.masked_fill(sol_mask == 0, float("inf")).min(-1).values
+    min_logp = logp.masked_fill(sol_mask == 0, float("inf")).min(-1).values             # (b,)
+    r_ss = (logp * sol_mask).sum(-1) / n_sol + alpha * min_logp
     r_kl = (kl * expl_mask).sum(-1) / n_expl + alpha * (kl * expl_mask).max(-1).values
     return r_ss - lam * r_kl, r_ss, r_kl
 
 
 @torch.no_grad()
-def score_explanations(teacher, student, tok, tasks, sols, explanations, penalized, template, alpha, lam, penalty,
-                       micro_batch, device):
-    """r, r_SS, r_KL (N,) for N explanations; r gets `penalty` added where `penalized`. Each row is run
-    twice, aligned token for token: the student reads q + e + s, the teacher q + s + e (its own format).
-    The student's copy is left-padded so both prompts end at the same position (RoPE sees only relative
-    positions)."""
+def score_explanations(teacher, student, tok, tasks, sols, explanations, penalized, template, alpha,
+                       lam, penalty, micro_batch, device):
+    """r, r_SS, r_KL (N,) for N explanations; r gets `penalty` added where `penalized`. Each row is
+    run twice, aligned token for token: the student reads q + e + s, the teacher q + s + e (its
+    own format). The student's copy is left-padded so both prompts end at the same position (RoPE
+    sees only relative positions)."""
     N = len(tasks)
     out = torch.zeros(3, N)
     enc = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -139,26 +160,30 @@ def score_explanations(teacher, student, tok, tasks, sols, explanations, penaliz
                 attn[r, P - len(p):end] = 1
             expl_mask[r, P:P + len(e)] = 1
             sol_mask[r, end - len(x):end] = 1
-        with autocast(device, student, teacher):  # student log-probs and KL(teacher ‖ student) in vocab chunks
-            st = token_stats(student, ids_s.to(device), attn_s.to(device), (expl_mask + sol_mask).to(device),
-                             teacher=teacher, teacher_inputs=(ids_t.to(device), attn_t.to(device)))
+        # student log-probs and KL(teacher ‖ student) in vocab chunks
+        with autocast(device, student, teacher):
+            st = token_stats(student, ids_s.to(device), attn_s.to(device),
+                             (expl_mask + sol_mask).to(device), teacher=teacher,
+                             teacher_inputs=(ids_t.to(device), attn_t.to(device)))
         r, r_ss, r_kl = rlt_reward(st["logp"], st["kl"], sol_mask[:, 1:].to(device).float(),
                                    expl_mask[:, 1:].to(device).float(), alpha, lam)
         out[:, rows] = torch.stack([r, r_ss, r_kl]).float().cpu()
-    return out[0] + penalty * torch.tensor(penalized, dtype=torch.float32), out[1], out[2]  # 004 §A.1: added
+    # 004 §A.1: added
+    return out[0] + penalty * torch.tensor(penalized, dtype=torch.float32), out[1], out[2]
 
 
-# ---- the GRPO update, with 004's choices -----------------------------------------------------------
+# ---- the GRPO update, with 004's choices ---------------------------------------------------------
 def grpo_advantages(reward, eps=1e-4):
-    """004 Eq. 2: (r − mean) / (std + ε) within each group of G. (B, G) -> (B, G); equal rewards -> 0."""
+    """004 Eq. 2: (r − mean) / (std + ε) within each group of G. (B, G) -> (B, G); equal rewards ->
+    0."""
     return (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + eps)
 
 
 def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
-    """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β D_KL(π_θ ‖ π_ref), averaged over
-    each rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None), mask: (b, T-1);
-    adv: (b,). D_KL is k3 (r = π_ref/π_θ), times ρ with kl_ratio so that its gradient is
-    KL(π_θ ‖ π_ref)'s (grpo.py)."""
+    """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β D_KL(π_θ ‖ π_ref), averaged
+    over each rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None),
+    mask: (b, T-1); adv: (b,). D_KL is k3 (r = π_ref/π_θ), times ρ with kl_ratio so that its
+    gradient is KL(π_θ ‖ π_ref)'s (grpo.py)."""
     ratio = (logp - old_logp).exp()                                                    # (b, T-1)
     A = adv[:, None]
     surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon) * A)
@@ -169,21 +194,16 @@ def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
     return (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1), {"kl": kl.detach()}
 
 
-# ---- which problems, and the teacher's explanations -------------------------------------------------
+# ---- which problems, and the teacher's explanations ----------------------------------------------
 def solved(tasks, n=None):
-    """(task, solver equation) for the first n tasks that have one."""
-    out = []
-    for t in tasks:
-        if n is not None and len(out) == n:
-            break
-        if (sol := solve(t["nums"], t["target"])) is not None:
-            out.append((t, sol))
-    return out
+    """(task, solver equation) for the first n tasks that have one; solved lazily, only as needed."""
+    pairs = ((t, solve(t["nums"], t["target"])) for t in tasks)
+    return list(itertools.islice(((t, s) for t, s in pairs if s is not None), n))
 
 
 def next_solved(run, tasks, n):
-    """The next n solvable tasks of the run's shuffled order, as (task, solution): unsolvable tasks drop
-    out, so draw until n are in (reshuffling when the order runs out)."""
+    """The next n solvable tasks of the run's shuffled order, as (task, solution): unsolvable tasks
+    drop out, so draw until n are in (reshuffling when the order runs out)."""
     batch = []
     while len(batch) < n:
         if not run.order:
@@ -193,11 +213,13 @@ def next_solved(run, tasks, n):
     return batch
 
 
-def explain(sampler, model, tok, tasks, sols, n, template, max_prompt_len, temperature, max_new_tokens, seed):
+def explain(sampler, model, tok, tasks, sols, n, template, max_prompt_len, temperature,
+            max_new_tokens, seed):
     """n teacher completions per task; returns (Rollouts, explanations, penalized flags)."""
     prompts = [teacher_prompt(t, s, template) for t, s in zip(tasks, sols)]
     if max(map(len, tok(prompts, add_special_tokens=False)["input_ids"])) > max_prompt_len:
-        raise CountdownError(f"a teacher prompt (question + solution) is longer than --max_prompt_len {max_prompt_len}")
+        raise CountdownError(f"a teacher prompt (question + solution) is longer than --max_prompt_len "
+                             f"{max_prompt_len}")
     sampler.wake()
     sampler.sync(model)
     ro = sampler.generate(prompts, n, temperature, 1.0, 0, max_new_tokens, seed)
@@ -207,7 +229,8 @@ def explain(sampler, model, tok, tasks, sols, n, template, max_prompt_len, tempe
 
 
 def held_out(explain_fn, score_fn, tasks, sols, n):
-    """eval/ metrics: the RLT reward of n fresh explanations per held-out problem (004 §4.5's analysis)."""
+    """eval/ metrics: the RLT reward of n fresh explanations per held-out problem (004 §4.5's
+    analysis)."""
     ro, expl, pen = explain_fn(tasks, sols, n)
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
     r, r_ss, r_kl = score_fn(rep(tasks), rep(sols), expl, pen)
@@ -223,7 +246,8 @@ def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
         for s in range(0, len(tasks), 256):
             ts, ss = tasks[s:s + 256], sols[s:s + 256]
             ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s)
-            _, r_ss, _ = score_fn([t for t in ts for _ in range(k)], [x for x in ss for _ in range(k)], expl, pen)
+            _, r_ss, _ = score_fn([t for t in ts for _ in range(k)],
+                                  [x for x in ss for _ in range(k)], expl, pen)
             for j, (t, sol) in enumerate(zip(ts, ss)):
                 cands = [i for i in range(j * k, (j + 1) * k) if not pen[i]]
                 if cands:  # a problem whose every explanation was penalized is left out
@@ -239,49 +263,62 @@ def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size)
-    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing)
-    student, student_tok = load_model(args.student, device, torch.bfloat16 if device == "cuda" else torch.float32)
+    student, student_tok = load_model(args.student, device,
+                                      torch.bfloat16 if device == "cuda" else torch.float32)
     student.eval().requires_grad_(False)
     check_same_tokenizer(tok, student_tok, args.init, args.student)
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref: the initial teacher
-    # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are skipped.
+    # π_ref: the initial teacher
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are
+    # skipped.
     # Solved lazily: a 490k-row hub dataset of 4-number problems would take minutes up front.
     tasks = load_tasks(args.data, "train", args.export_problems if args.max_steps == 0 else None)
     eval_tasks = solved(load_tasks(args.eval_data, "val", args.eval_problems))
     if not eval_tasks or not solved(tasks, 1):
         raise CountdownError(f"no solvable tasks in {args.eval_data if not eval_tasks else args.data}")
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len + args.max_response_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)  # constant lr (004)
-    explain_fn = partial(explain, sampler, model, tok, template=args.template, max_prompt_len=args.max_prompt_len,
-                         temperature=args.temperature, max_new_tokens=args.max_response_len, seed=args.seed)
-    score_fn = partial(score_explanations, model, student, tok, template=args.template, alpha=args.alpha,
-                       lam=args.lam, penalty=args.penalty, micro_batch=args.micro_batch, device=device)
-    evaluate = partial(held_out, partial(explain_fn, max_new_tokens=args.eval_max_new_tokens), score_fn,
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    explain_fn = partial(explain, sampler, model, tok, template=args.template,
+                         max_prompt_len=args.max_prompt_len, temperature=args.temperature,
+                         max_new_tokens=args.max_response_len, seed=args.seed)
+    score_fn = partial(score_explanations, model, student, tok, template=args.template,
+                       alpha=args.alpha, lam=args.lam, penalty=args.penalty,
+                       micro_batch=args.micro_batch, device=device)
+    evaluate = partial(held_out, partial(explain_fn,
+                                         max_new_tokens=args.eval_max_new_tokens), score_fn,
                        [t for t, _ in eval_tasks], [s for _, s in eval_tasks], args.eval_samples)
-    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref, **args.run_options(output_dir))
+    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
+              **args.run_options(output_dir))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
         batch = next_solved(run, tasks, B)
-        row_tasks, sols = [t for t, _ in batch for _ in range(G)], [s for _, s in batch for _ in range(G)]
-        ro, expl, pen = explain_fn([t for t, _ in batch], [s for _, s in batch], G, seed=step_seed(args.seed, step))
+        row_tasks, sols = [t for t, _ in batch for _ in range(G)
+                           ], [s for _, s in batch for _ in range(G)]
+        ro, expl, pen = explain_fn([t for t, _ in batch], [s for _, s in batch], G,
+                                   seed=step_seed(args.seed, step))
         run.sampled()
         # ---- score (the frozen student's view) and advantage ----
         reward, r_ss, r_kl = score_fn(row_tasks, sols, expl, pen)                     # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
-        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id, device):
+        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id,
+                                                             device):
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
-                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)  # logits / T
+                # logits / T
+                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)
                 with torch.no_grad():
-                    ref_logp = None if ref is None else token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
-            loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device), args.beta, args.epsilon,
-                                   args.kl_ratio)
-            loss = loss.sum() / (B * G)                                                # 1/G Σ_i, mean over prompts
+                    ref_logp = None if ref is None else \
+                        token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
+            loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device),
+                                   args.beta, args.epsilon, args.kl_ratio)
+            loss = loss.sum() / (B * G)  # 1/G Σ_i, mean over prompts
             loss.backward()
             stats.add("loss", loss.item())
             stats.token_mean("entropy", st["entropy"], m)
@@ -290,12 +327,14 @@ def main(argv=None):
         # ---- optimizer step, reference sync, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
         if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
-            mix_reference(ref, model, args.ref_sync_mix)  # 004: a slowly moving reference, not a frozen one
+            # 004: a slowly moving reference, not a frozen one
+            mix_reference(ref, model, args.ref_sync_mix)
         expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
         run.end_step(step, {**stats.metrics(), "train/reward": reward.mean(), "train/r_ss": r_ss.mean(),
                             "train/r_kl": r_kl.mean(), "train/penalized": sum(pen) / (B * G),
-                            "train/reward_std": reward.view(B, G).std(1).mean(), "train/expl_len": expl_tokens / (B * G),
-                            "train/resp_len": stats.n_tokens / (B * G), "train/truncated": 1 - sum(ro.finished) / (B * G)})
+                            "train/reward_std": reward.view(B, G).std(1).mean(),
+                            "train/expl_len": expl_tokens / (B * G), "train/resp_len": stats.n_tokens / (B * G),
+                            "train/truncated": 1 - sum(ro.finished) / (B * G)})
     run.close()
     if args.export:
         ex = solved(tasks, args.export_problems)

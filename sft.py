@@ -5,13 +5,15 @@
 Only response tokens count (EOS included: the model must learn to stop); the prompt conditions.
 Departures from the paper:
   1. The loss is averaged over the response tokens of the whole effective batch (Eq. 1 is a sum).
-  2. Embedded setting: `--data gen:...` trains on traces written by verifier.make_trace for generated
-     problems (a fresh trace each epoch), a tiny model from scratch, the compact prompt template.
+  2. Embedded setting: `--data gen:...` trains on traces written by verifier.make_trace for
+     generated problems (a fresh trace each epoch), a tiny model from scratch, the compact prompt
+     template.
   3. Periodic eval samples on the `val` split of --eval_data; evaluate.py owns the `test` split.
 
 Real (1×H100, the paper's recipe = the defaults):
   python sft.py --init Qwen/Qwen2.5-0.5B --output_dir out/sft
-CPU (embedded): the `sft`, `teacher` and student stages of run_cpu.sh, which prints their exact commands.
+CPU (embedded): the `sft`, `teacher` and student stages of run_cpu.sh, which prints their exact
+commands.
 """
 import math
 import os
@@ -35,9 +37,12 @@ from verifier import arith_text, make_trace
 @dataclass
 class Args(TrainArgs):
     # shared, with this script's defaults (000 Table 4)
-    init: str = arg("Qwen/Qwen2.5-0.5B", "model to fine-tune: hub name, checkpoint dir, or `tiny` (from scratch)")
-    data: str = arg("Asap7772/cog_behav_all_strategies", "SFT data: hub/JSONL with query+completion, gen[:...] "
-                    "traces, or arith[:...] plain arithmetic over those problems' numbers (the base stage)")
+    init: str = arg("Qwen/Qwen2.5-0.5B",
+                    "model to fine-tune: hub name, checkpoint dir, or `tiny` (from scratch)")
+    data: str = arg("Asap7772/cog_behav_all_strategies", "SFT data: hub/JSONL with "
+                                                         "query+completion, gen[:...] traces, or "
+                                                         "arith[:...] plain arithmetic over those "
+                                                         "problems' numbers (the base stage)")
     output_dir: str = arg("out/sft", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for init, shuffling and sampling")
     template: str = arg("base", "prompt template for generated data and eval: base | compact")
@@ -46,44 +51,53 @@ class Args(TrainArgs):
     micro_batch: int = arg(64, "sequences per forward/backward; batch_size must be a multiple")
     weight_decay: float = arg(0.01, "AdamW weight decay (000 Table 4)")
     max_prompt_len: int = arg(512, "prompts longer than this are an error (000 Table 4)")
-    max_response_len: int = arg(1024, "responses are truncated to this, EOS then dropped (000 Table 4)")
+    max_response_len: int = arg(1024,
+                                "responses are truncated to this, EOS then dropped (000 Table 4)")
     eval_every: int = arg(100, "steps between held-out evaluations (0: only at the end)")
-    save_every: int = arg(100, "steps between resumable states in OUTPUT_DIR/state (the newest 2 are kept)")
+    save_every: int = arg(100, "steps between resumable states in OUTPUT_DIR/state (the newest 2 "
+                               "are kept)")
     # SFT specific
     epochs: float = arg(6.0, "passes over the data (000 Table 4)")
     max_steps: int = arg(0, "stop after this many optimizer steps instead (0: use epochs)")
     warmup: float = arg(0.05, "warmup fraction of the cosine schedule (000 Table 4)")
-    num_train: int = arg(0, "training problems: gen writes traces for this many (0: 20,000); a dataset keeps its "
-                            "first rows (0: all)")
-    dead_ends: float = arg(0.0, "gen data: mean number of abandoned tries before the one that finds the target")
-    near_misses: float = arg(0.0, "gen data: share of dead ends that are near misses, the closest miss of 8 random "
-                                  "paths (verifier.near_miss), instead of a random path")
-    fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new one each epoch")
+    num_train: int = arg(0, "training problems: gen writes traces for this many (0: 20,000); a "
+                            "dataset keeps its first rows (0: all)")
+    dead_ends: float = arg(0.0, "gen data: mean number of abandoned tries before the one that "
+                                "finds the target")
+    near_misses: float = arg(0.0, "gen data: share of dead ends that are near misses, the closest "
+                                  "miss of 8 random paths (verifier.near_miss), instead of a "
+                                  "random path")
+    fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new "
+                                    "one each epoch")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
     tiny_layers: int = arg(4, "tiny model: transformer layers")
 
 
 
 def sft_loss(logp, mask):
-    """Eq. 1 summed over response tokens; logp, mask: (B, T-1). The caller divides by the token count
-    of the whole optimizer step, so micro-batches of any padding add up to one token mean."""
+    """Eq. 1 summed over response tokens; logp, mask: (B, T-1). The caller divides by the token
+    count of the whole optimizer step, so micro-batches of any padding add up to one token mean."""
     return -(logp * mask).sum()
 
 
-def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses=0.0, fixed_traces=False, seed=0):
-    """Prompts and a function rng -> responses: solver traces of generated problems (new ones each call:
-    another solution path, other dead ends), plain arithmetic over their numbers (no prompt: the whole
-    text is the target, 4 random paths a row), or a dataset's fixed query/completion pairs."""
+def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses=0.0,
+             fixed_traces=False, seed=0):
+    """Prompts and a function rng -> responses: solver traces of generated problems (new ones each
+    call: another solution path, other dead ends), plain arithmetic over their numbers (no
+    prompt: the whole text is the target, 4 random paths a row), or a dataset's fixed
+    query/completion pairs."""
     kind, _, spec = data.partition(":")
     if kind in ("gen", "arith"):
         tasks = load_tasks("gen:" + spec, split, n or 20_000)
         if kind == "arith":
             nums = [t["nums"] for t in tasks]
-            return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng) for i in range(len(nums))]
-        write = lambda rng: [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses)  # noqa: E731
-                             for t in tasks]
+            write = lambda rng: [arith_text(nums[i:i + 4], rng) for i in range(len(nums))]  # noqa: E731
+            return [""] * len(tasks), write
+        def write(rng):
+            return [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses) for t in tasks]
         fixed = write(random.Random(seed)) if fixed_traces else None
-        return [make_prompt(t["nums"], t["target"], template) for t in tasks], lambda rng: fixed or write(rng)
+        return [make_prompt(t["nums"], t["target"], template) for t in tasks
+                ], lambda rng: fixed or write(rng)
     if os.path.exists(data):  # a file has no splits: its last rows (up to 10%) are the held-out set
         rows = load_records(data, "train", ["query", "completion"])
         k = min(eval_problems, len(rows) // 10)
@@ -95,8 +109,9 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
 
 
 def micro_batches(tok, prompts, responses, size, max_prompt_len, max_response_len, device):
-    """Tokenize a step's examples once, sort them by length (the step's loss is a sum, so order is free),
-    and yield micro-batches (input_ids, attention_mask, response mask) cut to their own longest row."""
+    """Tokenize a step's examples once, sort them by length (the step's loss is a sum, so order is
+    free), and yield micro-batches (input_ids, attention_mask, response mask) cut to their own
+    longest row."""
     ids, attn, mask = tokenize_pairs(tok, prompts, responses, max_prompt_len, max_response_len)
     by_len = attn.sum(1).argsort()                                                       # (B,)
     ids, attn, mask = ids[by_len], attn[by_len], mask[by_len]
@@ -111,8 +126,8 @@ def evaluation(model, tok, val_batches, eval_fn):
     metrics = {}
     if val_batches:
         with torch.no_grad(), autocast(model.device.type, model):
-            val = [(sft_loss(token_stats(model, i, a, m)["logp"], m[:, 1:]).item(), int(m[:, 1:].sum()))
-                   for i, a, m in val_batches()]
+            val = [(sft_loss(token_stats(model, i, a, m)["logp"],
+                             m[:, 1:]).item(), int(m[:, 1:].sum())) for i, a, m in val_batches()]
         metrics["eval/loss"] = sum(x for x, _ in val) / sum(n for _, n in val)
     return {**metrics, **(eval_fn() if eval_fn else {})}
 
@@ -120,27 +135,32 @@ def evaluation(model, tok, val_batches, eval_fn):
 def main(argv=None):
     args = parse_args(Args, argv)
     if args.batch_size % args.micro_batch:
-        raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch {args.micro_batch}")
-    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a finished run
+        raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch "
+                             f"{args.micro_batch}")
+    output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing, hidden_size=args.tiny_hidden,
+    model, tok, device = load_policy(args.init, args.gradient_checkpointing,
+                                     hidden_size=args.tiny_hidden,
                                      num_hidden_layers=args.tiny_layers)
     data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,
-                   dead_ends=args.dead_ends, near_misses=args.near_misses, fixed_traces=args.fixed_traces, seed=args.seed)
+                   dead_ends=args.dead_ends, near_misses=args.near_misses,
+                   fixed_traces=args.fixed_traces, seed=args.seed)
     prompts, write_responses = data("train", args.num_train)
     val_prompts, write_val = data("val", args.eval_problems)  # disjoint from train by construction
     batches = partial(micro_batches, tok, size=args.micro_batch, max_prompt_len=args.max_prompt_len,
                       max_response_len=args.max_response_len, device=device)
-    val_batches = partial(batches, val_prompts, write_val(random.Random(0))) if val_prompts else None
+    val_batches = val_prompts and partial(batches, val_prompts, write_val(random.Random(0)))
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
-    eval_fn = None if args.data.startswith("arith") else partial(  # a base model writes no answers yet
+    # a base model writes no answers yet
+    eval_fn = None if args.data.startswith("arith") else partial(
         eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens, args.template, args.seed)
     steps_per_epoch = max(1, len(prompts) // args.batch_size)
     total = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
-    run = Run(output_dir, total, model, tok, opt, partial(evaluation, model, tok, val_batches, eval_fn), sched=sched,
-              eval_first=False, **args.run_options(output_dir))
+    run = Run(output_dir, total, model, tok, opt,
+              partial(evaluation, model, tok, val_batches, eval_fn), sched=sched, eval_first=False,
+              **args.run_options(output_dir))
     responses = run.extra.get("responses", [])
     print(f"{len(prompts)} training examples, {steps_per_epoch} steps/epoch, {total} steps, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
@@ -150,7 +170,8 @@ def main(argv=None):
         if new_epoch:
             responses = write_responses(run.rng)
         mbs = list(batches([prompts[i] for i in idx], [responses[i] for i in idx]))
-        # ---- forward / backward per micro-batch; the loss is a token mean over the whole step (Eq. 1) ----
+        # ---- forward / backward per micro-batch; the loss is a token mean over the whole step (Eq.
+        # 1) ----
         stats = StepStats(args.batch_size, sum(int(mask[:, 1:].sum()) for _, _, mask in mbs))
         for ids, attn, mask in mbs:
             with autocast(device, model):

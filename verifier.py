@@ -1,7 +1,7 @@
-"""The Countdown task, standard library only: answer extraction, exact scoring (paper 000 §3.1; dense:
-paper 001), solver, generator, solver-written search traces and operator-flip negatives. Nothing here
-calls eval: one regex tokenizes, an explicit-stack shunting-yard parses (so 2,000 nested parentheses
-cannot hit Python's recursion limit) and fractions.Fraction computes exactly."""
+"""The Countdown task, standard library only: answer extraction, exact scoring (paper 000 §3.1;
+dense: paper 001), solver, generator, solver-written search traces and operator-flip negatives.
+Nothing here calls eval: one regex tokenizes, an explicit-stack shunting-yard parses (so 2,000
+nested parentheses cannot hit Python's recursion limit) and fractions.Fraction computes exactly."""
 import functools
 import itertools
 import operator
@@ -12,10 +12,12 @@ from fractions import Fraction
 
 _TOKEN = re.compile(r"\d+|\S", re.ASCII)  # a literal, or any single non-space character
 _LITERAL = re.compile(r"\d+", re.ASCII)
-MAX_ANSWER_CHARS = 4096  # longer answers score 0.1 unparsed: no Countdown answer needs more (see score)
+# longer answers score 0.1 unparsed: no Countdown answer needs more (see score)
+MAX_ANSWER_CHARS = 4096
 _ALLOWED = re.compile(r"[\d\s+\-*/()]*", re.ASCII)  # ASCII: '３' or '٣' are not the number 3
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "neg": 3}
-_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}  # Fraction / 0 raises
+# Fraction / 0 raises
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def extract_answer(response):
@@ -28,7 +30,8 @@ def extract_answer(response):
 def evaluate_expression(expr, numbers):
     """Exact value of `expr` if it is a valid expression whose literals are exactly `numbers` (as a
     multiset), else None. Cheap checks first so hostile input never reaches the parser."""
-    if len(expr) > MAX_ANSWER_CHARS or not _ALLOWED.fullmatch(expr):  # names, '.', '%', '=', '^', ...
+    # names, '.', '%', '=', '^', ...
+    if len(expr) > MAX_ANSWER_CHARS or not _ALLOWED.fullmatch(expr):
         return None
     # Count the literals before tokenizing: "1+1+...+1" stops at the (n+1)-th, whatever its length.
     literals = [m.group() for m in itertools.islice(_LITERAL.finditer(expr), len(numbers) + 1)]
@@ -70,7 +73,8 @@ def _shunting_yard(tokens):
                 if t != "-":
                     return None  # "**", "//", "*3", "+3" (no unary plus)
                 if ops and ops[-1] == "neg":
-                    ops.pop()  # "- -x" is x: two minuses waiting for one operand cancel, at no arithmetic cost
+                    # "- -x" is x: two minuses waiting for one operand cancel, at no arithmetic cost
+                    ops.pop()
                 else:
                     ops.append("neg")  # unary minus: right-associative, binds tightest
             else:  # binary operator: pop everything of higher or equal precedence (left-assoc.)
@@ -92,8 +96,8 @@ def _shunting_yard(tokens):
 
 def score(response, numbers, target):
     """Paper 000 §3.1 reward: 1.0 correct, 0.1 answer present but wrong/invalid, 0.0 no answer. One
-    departure: an answer over MAX_ANSWER_CHARS scores 0.1 unparsed, so that any input scores in < 10 ms
-    (a megabyte of valid nesting would take seconds to parse in Python)."""
+    departure: an answer over MAX_ANSWER_CHARS scores 0.1 unparsed, so that any input scores in <
+    10 ms (a megabyte of valid nesting would take seconds to parse in Python)."""
     expr = extract_answer(response)
     return 0.0 if expr is None else 1.0 if evaluate_expression(expr, numbers) == target else 0.1
 
@@ -110,8 +114,8 @@ def dense_score(response, numbers, target):
 
 # ---- solver, generator, traces ------------------------------------------------------------------
 def _moves(a, b, restricted):
-    """(value, op, left, right) per way to merge two (value, expr) items; `restricted`: the generator's
-    rule, non-negative integers only (a - b only if a >= b, exact /)."""
+    """(value, op, left, right) per way to merge two (value, expr) items; `restricted`: the
+    generator's rule, non-negative integers only (a - b only if a >= b, exact /)."""
     out = [(a[0] + b[0], "+", a, b), (a[0] * b[0], "*", a, b), (a[0] - b[0], "-", a, b), (b[0] - a[0], "-", b, a)]
     out += ([(a[0] / b[0], "/", a, b)] if b[0] else []) + ([(b[0] / a[0], "/", b, a)] if a[0] else [])
     return [m for m in out if not restricted or (m[0] >= 0 and m[0].denominator == 1)]
@@ -139,7 +143,8 @@ def solve(numbers, target, restricted=False):
 
 @functools.lru_cache(maxsize=200_000)
 def _solvable(values, target):
-    """Is `target` reachable from sorted `values` under the generator's rule? Integers, cached, early exit."""
+    """Is `target` reachable from sorted `values` under the generator's rule? Integers, cached,
+    early exit."""
     if len(values) == 1:
         return values[0] == target
     if len(values) == 2:  # the leaves, unrolled: most calls end here
@@ -154,10 +159,11 @@ def _solvable(values, target):
 
 
 def generate_splits(sizes, seed=0, num_numbers=(3, 4), num_range=(1, 99), target_range=(10, 100)):
-    """Disjoint splits of distinct problems, e.g. sizes={"test": 500, "train": 10000}. As the Stream-of-
-    Search generator of Countdown-Tasks-3to4: uniform count, numbers and target, kept if solvable with
-    every number under the generator's rule. Splits fill in order (test first: it stays put when train
-    grows). A small space runs dry: after 5,000 rejections in a row the rest comes back short."""
+    """Disjoint splits of distinct problems, e.g. sizes={"test": 500, "train": 10000}. As the
+    Stream-of- Search generator of Countdown-Tasks-3to4: uniform count, numbers and target, kept
+    if solvable with every number under the generator's rule. Splits fill in order (test first:
+    it stays put when train grows). A small space runs dry: after 5,000 rejections in a row the
+    rest comes back short."""
     rng, seen, out, misses = random.Random(seed), set(), {name: [] for name in sizes}, 0
     for name, n in sizes.items():
         while len(out[name]) < n and misses < 5000:
@@ -208,12 +214,13 @@ def near_miss(numbers, target, rng, tries=8):
 
 
 def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
-    """A Stream-of-Search-style trace, the text after the prompt's '<think>': tries computed to the end,
-    each a solver path with probability 1 / (1 + dead_ends), else a dead end (a near miss with
-    probability `near_misses`, else a random path), until one's value is the target. No cap: the dead
-    ends are geometric with mean <= dead_ends, so only the check tells when to stop. Each try writes
-    the target by its value, then the verdict ('= 70. Target 60, back.'). Without near misses a
-    model learns "found" = "close" (docs/arithmetic.md). None if the problem has no solution."""
+    """A Stream-of-Search-style trace, the text after the prompt's '<think>': tries computed to the
+    end, each a solver path with probability 1 / (1 + dead_ends), else a dead end (a near miss
+    with probability `near_misses`, else a random path), until one's value is the target. No cap:
+    the dead ends are geometric with mean <= dead_ends, so only the check tells when to stop.
+    Each try writes the target by its value, then the verdict ('= 70. Target 60, back.'). Without
+    near misses a model learns "found" = "close" (docs/arithmetic.md). None if the problem has no
+    solution."""
     rng = rng or random.Random(0)
     solutions = _solutions(tuple(numbers), target)
     if not solutions:
@@ -226,7 +233,8 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
             expr, path = None, miss  # a near miss never finds, so its expression is never written
         else:
             expr, path = random_path(numbers, rng)
-        found = (path[-1][3] if path else numbers[0]) == target  # the verdict follows the target, written by the value
+        # the verdict follows the target, written by the value
+        found = (path[-1][3] if path else numbers[0]) == target
         lines.append(f"{_steps_text(path)} Target {target}, {'found' if found else 'back'}.")
         if found:
             return " " + "\n".join(lines) + f"\n</think>\n<answer>{expr[1:-1] if path else expr}</answer>"
@@ -234,9 +242,11 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
 
 def flip_operator(expr, numbers, target, rng=None):
     """Paper 001's hard negative: the verified equation with one operator flipped so that its value
-    changes (it still uses exactly the given numbers, so it scores 0.1). None if no flip changes it."""
+    changes (it still uses exactly the given numbers, so it scores 0.1). None if no flip changes
+    it."""
     rng = rng or random.Random(0)
-    spots = [m.start(1) for m in re.finditer(r"[\d)]\s*([-+*/])", expr)]  # binary operators, not unary minus
+    # binary operators, not unary minus
+    spots = [m.start(1) for m in re.finditer(r"[\d)]\s*([-+*/])", expr)]
     for i in rng.sample(spots, len(spots)):
         for new in rng.sample([o for o in "+-*/" if o != expr[i]], 3):
             candidate = expr[:i] + new + expr[i + 1:]

@@ -1,9 +1,9 @@
-"""Greedy arithmetic of a checkpoint on held-out text, the base stage's own yardstick (docs/arithmetic.md).
-
-A base model writes no answers, so evaluate.py's sampled diagnostics cannot measure it. Here the model
-reads fresh arithmetic (verifier.arith_text over random numbers of the task's range, the base stage's format)
-and a step `a op b = v` counts as right when every token of v is the model's argmax given the text
-before it. Wrong steps, overall and by operator.
+"""Greedy arithmetic of a checkpoint on held-out text, the base stage's own yardstick
+(docs/arithmetic.md).
+ A base model writes no answers, so evaluate.py's sampled diagnostics cannot measure it. Here the
+model reads fresh arithmetic (verifier.arith_text over random numbers of the task's range, the base
+stage's format) and a step `a op b = v` counts as right when every token of v is the model's argmax
+given the text before it. Wrong steps, overall and by operator.
 
   python benchmarks/arith_probe.py out/cpu/base
   python benchmarks/arith_probe.py out/cpu/sft --rows 400 --range 1-20 --nums 3

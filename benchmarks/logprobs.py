@@ -23,8 +23,8 @@ from logprobs import token_stats  # noqa: E402
 
 
 class HeadOnly(torch.nn.Module):
-    """Stands in for a causal LM whose last hidden states are already computed: the benchmark isolates
-    the lm_head + log-softmax part, which is where the B x T x V tensor appears."""
+    """Stands in for a causal LM whose last hidden states are already computed: the benchmark
+    isolates the lm_head + log-softmax part, which is where the B x T x V tensor appears."""
 
     def __init__(self, hidden, vocab):
         super().__init__()

@@ -1,12 +1,13 @@
-"""Did a refactor change what the scripts compute? Run every training script for 3 steps with a fixed seed,
-in this working tree and in a git revision of it, on the same CPU and init, and compare their
-metrics.jsonl line by line: the same keys and the same values, `wall` and `time/*` aside. Exit 1 on any
-difference. (A stored golden file would not do: fp32 kernels round differently from one CPU to another.)
+"""Did a refactor change what the scripts compute? Run every training script for 3 steps with a
+fixed seed, in this working tree and in a git revision of it, on the same CPU and init, and compare
+their metrics.jsonl line by line: the same keys and the same values, `wall` and `time/*` aside. Exit
+1 on any difference. (A stored golden file would not do: fp32 kernels round differently from one CPU
+to another.)
 
     python benchmarks/same_metrics.py --base 5a2e3f2 [--init out/cpu/sft] [--keep DIR]
-
---init: the policy every script but sft starts from (default: a 3-step SFT of the tiny model, trained by
-the base tree). A trained SFT model gives rewards that vary within groups, so the RL losses are not 0.
+ --init: the policy every script but sft starts from (default: a 3-step SFT of the tiny model,
+trained by the base tree). A trained SFT model gives rewards that vary within groups, so the RL
+losses are not 0.
 """
 import argparse
 import json
@@ -37,7 +38,8 @@ def commands(init):
 
 
 def init_flag(tree):
-    """sft.py's flag for its starting model in `tree`: --init, or --model before the Args base classes."""
+    """sft.py's flag for its starting model in `tree`: --init, or --model before the Args base
+    classes."""
     return "--model" if "    model: str" in open(os.path.join(tree, "sft.py")).read() else "--init"
 
 
@@ -92,7 +94,8 @@ def main():
     os.makedirs(base, exist_ok=True)
     subprocess.run(f"git archive {a.base} | tar -x -C {base}", shell=True, cwd=ROOT, check=True)
     init = os.path.abspath(a.init) if a.init else os.path.join(work, "init")
-    if not a.init:  # the tiny model after 3 SFT steps, made by the base tree: the same init for both
+    # the tiny model after 3 SFT steps, made by the base tree: the same init for both
+    if not a.init:
         subprocess.run([sys.executable, "sft.py", *SHARED, init_flag(base), "tiny", "--max_steps", "3", "--output_dir", init],
                        cwd=base, env={**os.environ, "PYTHONPATH": base}, check=True, capture_output=True)
     scripts = a.scripts.split(",")

@@ -23,7 +23,8 @@ TRY = re.compile(r"(.*) Target (\d+), (?:found|back)\.")
 
 
 def first_step(text):
-    """'9 * 2 = 18, left ...' -> ('2', '*', '9', '18'): operands sorted for + and *, so order does not count."""
+    """'9 * 2 = 18, left ...' -> ('2', '*', '9', '18'): operands sorted for + and *, so order does
+    not count."""
     m = _STEP.match(text.strip())
     if not m:
         return None

@@ -1,6 +1,6 @@
-"""The vLLM sampler beside the HF one on a real checkpoint: sampling speed and accuracy, the log-prob gap
-to a trainer forward, and that gap before and after a weight sync. On a CPU, run it in the vLLM lane's
-venv (.ci/vllm-lane makes .venv-vllm):
+"""The vLLM sampler beside the HF one on a real checkpoint: sampling speed and accuracy, the
+log-prob gap to a trainer forward, and that gap before and after a weight sync. On a CPU, run it in
+the vLLM lane's venv (.ci/vllm-lane makes .venv-vllm):
 
   .venv-vllm/bin/python benchmarks/vllm_check.py out/cpu/sft [--prompts 64 --n 8 --temperature 0.7]
 """

@@ -73,7 +73,8 @@ def test_chunked_logprobs_gradient_matches_naive():
 
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
 def test_forward_kl_matches_naive_with_padded_teacher_vocab(temperature):
-    student, teacher = qwen_like(1000, seed=0), qwen_like(1024, seed=1)  # teacher vocab padded by 24
+    # teacher vocab padded by 24
+    student, teacher = qwen_like(1000, seed=0), qwen_like(1024, seed=1)
     ids, attn, mask = batch(1000)
     stats = LP.token_stats(student, ids, attn, mask, teacher=teacher, kd_temperature=temperature, chunk_size=4)
     zs = student(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
@@ -93,8 +94,8 @@ def tiny():
 
 
 def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
-    """CPU bf16 (cpu_bf16()): bf16 compute with eager attention inside, the model as it was after, even
-    after an error; values within bf16 rounding of fp32. COUNTDOWN_CPU_BF16=0: plain fp32."""
+    """CPU bf16 (cpu_bf16()): bf16 compute with eager attention inside, the model as it was after,
+    even after an error; values within bf16 rounding of fp32. COUNTDOWN_CPU_BF16=0: plain fp32."""
     model = qwen_like(64).train()
     model.set_attn_implementation("sdpa")
     ids = torch.randint(0, 64, (3, 12))
@@ -125,7 +126,7 @@ def test_mask_keeps_eos_and_drops_prompt_and_padding():
         n_p = len(tok(p)["input_ids"])
         n_r = len(tok(r, add_special_tokens=False)["input_ids"]) + 1
         assert mask[i, :n_p].sum() == 0 and mask[i, n_p:n_p + n_r].all() and mask[i, n_p + n_r:].sum() == 0
-        assert ids[i, n_p + n_r - 1] == tok.eos_token_id           # the EOS is the last masked token
+        assert ids[i, n_p + n_r - 1] == tok.eos_token_id  # the EOS is the last masked token
         assert tok.decode(ids[i][mask[i].bool()][:-1]) == r
         assert attn[i].sum() == n_p + n_r
     # pad == eos, as for Qwen base: masks come from lengths, so the real EOS still counts
@@ -151,7 +152,8 @@ def test_tiny_tokenizer_round_trips_any_text():
 def test_hf_sampler_stops_at_eos_and_respects_max_tokens(tiny):
     model, tok = tiny
     prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([1, 2], 3, "compact")]
-    # point the EOS row of the (tied) head along the mean hidden state: EOS logit ~4, the rest ~0, so
+    # point the EOS row of the (tied) head along the mean hidden state: EOS logit ~4, the rest ~0,
+    # so
     # some rows finish and others run out of budget
     model = M.build_tiny_model(tok)
     model.load_state_dict(tiny[0].state_dict())
@@ -187,7 +189,8 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
 def test_sampler_logprobs_are_of_the_sampling_distribution(tiny, temperature):
     """Rollouts drawn at T carry log softmax(logits / T), what token_stats(temperature=T) gives the
-    trainer: ρ = π_θ/μ is 1 on the first pass at any T, and the update trains the policy that sampled."""
+    trainer: ρ = π_θ/μ is 1 on the first pass at any T, and the update trains the policy that
+    sampled."""
     model, tok = tiny
     prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7], 99, "compact")]
     ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=temperature, max_new_tokens=20, seed=0)
@@ -196,14 +199,15 @@ def test_sampler_logprobs_are_of_the_sampling_distribution(tiny, temperature):
     with torch.no_grad():
         tempered = LP.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
         raw = LP.token_stats(model, ids, attn, mask)["logp"]
-    assert (tempered - sampler_lp)[m].abs().max() < 1e-4                      # ρ = 1 to fp32 precision
-    assert (raw - sampler_lp)[m].abs().mean() > 1e-2                          # and not the T = 1 log-probs
+    assert (tempered - sampler_lp)[m].abs().max() < 1e-4  # ρ = 1 to fp32 precision
+    assert (raw - sampler_lp)[m].abs().mean() > 1e-2  # and not the T = 1 log-probs
 
 
 def test_rollout_batch_aligns_rows_with_their_prompts():
     ro = S.Rollouts([[1, 2], [3]], [[5], [6, 7], [8, 9, 10], [11]], [[-.5], [-.6, -.7], [-.8, -.9, -1.0], [-1.1]],
                     ["a", "b", "c", "d"], [True] * 4)
-    ids, attn, mask, old = S.rollout_batch(ro, [1, 2], pad_id=0)   # row 1 is prompt 0's, row 2 prompt 1's
+    # row 1 is prompt 0's, row 2 prompt 1's
+    ids, attn, mask, old = S.rollout_batch(ro, [1, 2], pad_id=0)
     assert ids.tolist() == [[1, 2, 6, 7], [3, 8, 9, 10]] and attn.tolist() == [[1] * 4] * 2
     assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
     assert torch.allclose(old, torch.tensor([[0, -.6, -.7], [-.8, -.9, -1.0]]))
@@ -213,8 +217,10 @@ def test_inverse_cdf_sampling_matches_the_distribution_and_the_filters():
     gen = torch.Generator().manual_seed(0)
     logits = torch.tensor([[2.0, 0.0, 1.0, -1.0, float("-inf")]]).repeat(100_000, 1)
     freq = torch.bincount(S._sample(logits, gen), minlength=5).float() / 100_000
-    assert (freq - logits[0].softmax(-1)).abs().max() < 0.006 and freq[4] == 0   # 4 sigma at these counts
-    kept = S._sample(S._filter_logits(logits[:1000], 1.0, 2, 1.0), gen)       # top-k 2: only tokens 0 and 2
+    # 4 sigma at these counts
+    assert (freq - logits[0].softmax(-1)).abs().max() < 0.006 and freq[4] == 0
+    # top-k 2: only tokens 0 and 2
+    kept = S._sample(S._filter_logits(logits[:1000], 1.0, 2, 1.0), gen)
     assert set(kept.tolist()) == {0, 2}
 
 
@@ -238,7 +244,8 @@ def test_checkpoint_round_trip(tiny, tmp_path):
         assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
     assert tok2.get_vocab() == tok.get_vocab() and tok2.eos_token_id == tok.eos_token_id
     text = D.make_prompt([3, 17, 9], 21, "compact") + V.make_trace([3, 7, 9], 21, dead_ends=2)
-    assert tok2(text)["input_ids"] == tok(text)["input_ids"]  # same pre-tokenizer after the round trip
+    # same pre-tokenizer after the round trip
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"]
 
 
 def test_clear_errors_for_bad_models_and_data(tmp_path, monkeypatch):

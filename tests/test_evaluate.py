@@ -49,17 +49,22 @@ def test_summarize_splits_and_best_of_n():
     assert s["pass_at_k"]["1"] == pytest.approx(0.125) and s["pass_at_k"]["4"] == 0.5
     assert s["by_size"]["3"]["pass_at_k"]["4"] == 1.0 and s["by_size"]["4"]["num_problems"] == 1
     assert s["format_rate"] == 7 / 8
-    assert s["pass_at_1_stderr"] == pytest.approx(0.125)  # per-problem 0.25 and 0: sd 0.177, / sqrt(2)
+    # per-problem 0.25 and 0: sd 0.177, / sqrt(2)
+    assert s["pass_at_1_stderr"] == pytest.approx(0.125)
     assert s["best_of_n"] == {"accuracy": 0.5, "avg_samples": pytest.approx((E.expected_samples(4, 1, 4) + 4) / 2)}
     assert s["arithmetic"]["steps"] == 0 and s["arithmetic"]["step_error"] == 0
 
 
 @pytest.mark.parametrize("text, steps, wrong, claims, false", [
-    (" 16 - 1 = 15, left 6 15. 6 * 15 = 90. Target 97, found.", 2, 0, 1, 1),   # right steps, a false claim
-    (" 6 * 16 = 96, left 1 96. 1 + 96 = 112. Target 97, back.", 2, 1, 0, 0),   # a wrong sum, an honest 'back'
+    # right steps, a false claim
+    (" 16 - 1 = 15, left 6 15. 6 * 15 = 90. Target 97, found.", 2, 0, 1, 1),
+    # a wrong sum, an honest 'back'
+    (" 6 * 16 = 96, left 1 96. 1 + 96 = 112. Target 97, back.", 2, 1, 0, 0),
     (" 7 + 4 = 11, left 5 11. 5 * 11 = 55. Target 55, found.\n</think>", 2, 0, 1, 0),
-    (" 7 + 4 = 11, left 5 11. 5 * 11 = 54. Target 55, found.", 2, 1, 1, 1),    # a wrong step, and 54 is not 55
-    (" 9 / 0 = 3, left 2 3. 12 / 4 = 3. Target 3, found.", 2, 1, 1, 1),        # x / 0 is wrong, not a crash
+    # a wrong step, and 54 is not 55
+    (" 7 + 4 = 11, left 5 11. 5 * 11 = 54. Target 55, found.", 2, 1, 1, 1),
+    # x / 0 is wrong, not a crash
+    (" 9 / 0 = 3, left 2 3. 12 / 4 = 3. Target 3, found.", 2, 1, 1, 1),
     ("<answer>1 + 2</answer> no steps", 0, 0, 0, 0),
 ])
 def test_arithmetic_diagnostics(text, steps, wrong, claims, false):
@@ -98,8 +103,9 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
 
 
 def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
-    """evaluate.py --report: results.json holds every stage's summary plus wall seconds, the tables list the
-    stages in the pipeline's order (others after), and both PNGs are drawn from the RL stages' metrics."""
+    """evaluate.py --report: results.json holds every stage's summary plus wall seconds, the tables
+    list the stages in the pipeline's order (others after), and both PNGs are drawn from the RL
+    stages' metrics."""
     def summary(p1):
         return {"num_problems": 2, "num_samples": 2, "pass_at_k": {"1": p1, "2": min(1.0, 2 * p1)}, "pass_at_1_stderr": 0.1,
                 "by_size": {"3": {"num_problems": 1, "pass_at_k": {"1": p1, "2": p1}},
@@ -132,8 +138,8 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
 
 
 def test_search_probe_counts_tries_aim_and_repeats_by_hand():
-    """benchmarks/search_probe.py: a try is aimed when its first step opens some solution, operands of
-    + and * in either order; hand-counted on two samples of [9, 2, 13] -> 31 (9 * 2 + 13)."""
+    """benchmarks/search_probe.py: a try is aimed when its first step opens some solution, operands
+    of + and * in either order; hand-counted on two samples of [9, 2, 13] -> 31 (9 * 2 + 13)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import search_probe
     hit = "2 * 9 = 18, left 13 18. 13 + 18 = 31. Target 31, found."

@@ -21,7 +21,8 @@ import sft
 from checkpoints import save_checkpoint
 from verifier import score
 
-RWD = dict(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)  # rlt.score_explanations
+# rlt.score_explanations
+RWD = dict(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
         "--max_response_len", "12", "--max_steps", "2", "--lr", "1e-3"]
@@ -47,18 +48,18 @@ def ckpts(tmp_path_factory):
     return out
 
 
-# ---- opd.py ----------------------------------------------------------------------------------------
+# ---- opd.py --------------------------------------------------------------------------------------
 def test_opd_loss_by_hand():
     args = SimpleNamespace(kl_coef=0.5, rl_coef=0.5, entropy_coef=0.1, is_clip=10.0)
     logp = torch.tensor([[-1.0, -2.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    kl = torch.tensor([[0.2, 0.4, 9.0]])                                         # the masked 9 must not count
+    kl = torch.tensor([[0.2, 0.4, 9.0]])  # the masked 9 must not count
     entropy = torch.tensor([[1.0, 3.0, 7.0]])
     loss, parts = opd.opd_loss(logp, logp.clone(), kl, entropy, mask, torch.tensor([0.5]), **vars(args))
     # 0.5 · mean_t KL + 0.5 · (−w·A·Σ log π) − 0.1 · mean_t H,  w = 1
     assert abs(loss.item() - (0.5 * 0.3 + 0.5 * (-0.5 * -3.0) - 0.1 * 2.0)) < 1e-6
     assert parts["is_weight"].item() == 1.0 and abs(parts["pg"].item() - 1.5) < 1e-6
-    old = logp - torch.tensor([[5.0, 0.0, 0.0]])                                 # π/μ = e^5 > 10: clipped
+    old = logp - torch.tensor([[5.0, 0.0, 0.0]])  # π/μ = e^5 > 10: clipped
     _, parts = opd.opd_loss(logp, old, kl, entropy, mask, torch.tensor([0.5]), **vars(args))
     assert parts["is_weight"].item() == 10.0
     args.rl_coef = 0.0                                                           # pure distillation
@@ -88,14 +89,15 @@ def test_opd_kl_step_moves_student_toward_teacher():
     assert kls[1] < kls[0], kls
 
 
-# ---- token_stats with a teacher in another context (RLT's r_KL) -----------------------------------
+# ---- token_stats with a teacher in another context (RLT's r_KL) ----------------------------------
 def test_teacher_inputs_left_padded_match_unpadded_runs():
     student, _ = tiny_model(0)
     teacher, _ = tiny_model(1)
     p_s, p_t, resp = [5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24]
     T = len(p_t) + len(resp)
     ids_t = torch.tensor([p_t + resp])
-    ids_s = torch.tensor([[0] * (len(p_t) - len(p_s)) + p_s + resp])             # left-padded: responses line up
+    # left-padded: responses line up
+    ids_s = torch.tensor([[0] * (len(p_t) - len(p_s)) + p_s + resp])
     attn_t = torch.ones(1, T, dtype=torch.long)
     attn_s = (torch.arange(T) >= len(p_t) - len(p_s)).long()[None]
     mask = (torch.arange(T) >= len(p_t)).long()[None]
@@ -116,21 +118,23 @@ def test_different_tokenizers_are_refused():
         M.check_same_tokenizer(a, b, "out/sft", "out/teacher")
 
 
-# ---- rlt.py ----------------------------------------------------------------------------------------
+# ---- rlt.py --------------------------------------------------------------------------------------
 def test_rlt_reward_by_hand():
     logp = torch.tensor([[-9.0, -1.0, -3.0, -0.5, -1.5], [-9.0, -9.0, -9.0, -2.0, -2.0]])
     kl = torch.tensor([[0.0, 0.2, 0.6, 9.0, 9.0], [0.0, 0.0, 0.0, 9.0, 9.0]])
-    expl = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]).float()             # row 2: empty explanation
+    expl = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]).float()  # row 2: empty explanation
     sol = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]).float()
     r, r_ss, r_kl = rlt.rlt_reward(logp, kl, sol, expl, alpha=0.01, lam=3.0)
-    assert torch.allclose(r_ss, torch.tensor([-1.0 + 0.01 * -1.5, -2.0 + 0.01 * -2.0]))   # mean + α·min
-    assert torch.allclose(r_kl, torch.tensor([0.4 + 0.01 * 0.6, 0.0]))                      # mean + α·max
+    # mean + α·min
+    assert torch.allclose(r_ss, torch.tensor([-1.0 + 0.01 * -1.5, -2.0 + 0.01 * -2.0]))
+    assert torch.allclose(r_kl, torch.tensor([0.4 + 0.01 * 0.6, 0.0]))  # mean + α·max
     assert torch.allclose(r, r_ss - 3.0 * r_kl)
 
 
 def test_explanation_is_penalized_only_without_the_closing_tag():
     assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n</think>\n<answer>3 + 4</answer>") == (" 3 + 4 = 7. Found 7.\n", False)
-    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n") == (" 3 + 4 = 7. Found 7.\n", True)   # never closed
+    # never closed
+    assert rlt.explanation_of(" 3 + 4 = 7. Found 7.\n") == (" 3 + 4 = 7. Found 7.\n", True)
     # closed </think>, then cut at max tokens while it went on: the explanation itself is whole
     assert rlt.explanation_of(" 3 + 4 = 7.</think>\n<answer>3 + 4</answ") == (" 3 + 4 = 7.", False)
 
@@ -142,7 +146,7 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
     tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}, {"nums": [1, 2, 3], "target": 6}]
     sols = ["(3 + 4) * 5", "2 * 9 + 7", "1 + 2 + 3"]
     expl = [" 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n", " 2 * 9 = 18, left 7", ""]
-    pen = [False, True, False]                                                   # row 1 never closed </think>
+    pen = [False, True, False]  # row 1 never closed </think>
     r, r_ss, r_kl = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, pen, **RWD, device="cpu")
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for i in (0, 1, 2):
@@ -157,9 +161,10 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
                                                             - ls[len(ps) - 1:len(ps) + len(e) - 1])).sum(-1)
         want_kl = kl.mean() + 0.01 * kl.max() if len(e) else torch.tensor(0.0)
         assert abs(r_ss[i] - want_ss) < 1e-4 and abs(r_kl[i] - want_kl) < 1e-4, i
-        assert abs(r[i] - (want_ss - 3 * want_kl - int(pen[i]))) < 1e-3              # 004 §A.1: the −1 is added
+        assert abs(r[i] - (want_ss - 3 * want_kl - int(pen[i]))) < 1e-3  # 004 §A.1: the −1 is added
     unpenalized, _, _ = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, [False] * 3, **RWD, device="cpu")
-    assert torch.allclose(r, unpenalized - torch.tensor([0.0, 1.0, 0.0]))       # so being penalized never pays
+    # so being penalized never pays
+    assert torch.allclose(r, unpenalized - torch.tensor([0.0, 1.0, 0.0]))
 
 
 def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
@@ -185,7 +190,8 @@ def test_opd_two_steps_in_a_subprocess(ckpts, tmp_path):
     keys = {"train/loss", "train/kl", "train/pg", "train/entropy", "train/reward", "train/is_weight",
             "train/is_weight_raw", "train/is_weight_raw_max", "train/sampler_gap", "time/sample", "time/update"}
     assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())
-    assert rows[-1]["train/kl"] > 0 and rows[-1]["train/sampler_gap"] < 1e-5  # rollouts at T 0.7: logits / 0.7 both sides
+    # rollouts at T 0.7: logits / 0.7 both sides
+    assert rows[-1]["train/kl"] > 0 and rows[-1]["train/sampler_gap"] < 1e-5
     assert abs(rows[-1]["train/is_weight_raw"] - 1) < 1e-4 and abs(rows[-1]["train/is_weight_raw_max"] - 1) < 1e-3
     assert os.path.isfile(tmp_path / "config.json")
 
@@ -195,15 +201,19 @@ def test_rlt_two_steps_export_then_sft_on_the_traces(ckpts, tmp_path):
     r = subprocess.run([sys.executable, "rlt.py", "--init", ckpts["student"], "--student", ckpts["teacher"], *FAST,
                         "--export", str(traces), "--export_problems", "5", "--export_best_of", "2",
                         "--max_response_len", "40", "--output_dir", str(tmp_path / "rlt")], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "COUNTDOWN_CPU_BF16": "0"})  # fp32 forwards: the sampler gap to float precision
+                       # fp32 forwards: the sampler gap to float precision
+                       env={**os.environ, "COUNTDOWN_CPU_BF16": "0"})
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in open(tmp_path / "rlt" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/r_ss" in rows[-1]
     assert {"train/reward", "train/r_ss", "train/r_kl", "train/penalized", "train/expl_len"} <= set(rows[-1])
-    # An untrained teacher rarely closes </think> in 40 tokens: most rows get the −1 on top of r_SS − λ r_KL ≤ 0.
+    # An untrained teacher rarely closes </think> in 40 tokens: most rows get the −1 on top of r_SS
+    # − λ r_KL ≤ 0.
     assert rows[-1]["train/reward"] <= 0 and 0 <= rows[-1]["train/penalized"] <= 1
-    assert rows[-1]["train/sampler_gap"] < 1e-5  # sampled at T 0.7, both sides scored at logits / 0.7
-    assert traces.exists()  # (an untrained teacher's lines: test_export_keeps_the_best_explanation checks content)
+    # sampled at T 0.7, both sides scored at logits / 0.7
+    assert rows[-1]["train/sampler_gap"] < 1e-5
+    # (an untrained teacher's lines: test_export_keeps_the_best_explanation checks content)
+    assert traces.exists()
     traces.write_text(json.dumps({"query": D.make_prompt([1, 2, 3], 6, "compact"),
                                   "completion": rlt.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
     r = subprocess.run([sys.executable, "sft.py", "--init", "tiny", "--data", str(traces), "--eval_data", GEN, "--template",
@@ -214,7 +224,8 @@ def test_rlt_two_steps_export_then_sft_on_the_traces(ckpts, tmp_path):
 
 
 class ScriptedSampler:
-    """Stands in for the teacher's sampler: returns fixed completions, so the exporter's choices are known."""
+    """Stands in for the teacher's sampler: returns fixed completions, so the exporter's choices are
+    known."""
 
     def __init__(self, tok, texts, finished):
         self.tok, self.texts, self.finished = tok, texts, finished
@@ -232,15 +243,16 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     student, _ = tiny_model(0)
     tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}]
     sols = ["(3 + 4) * 5", "2 * 9 + 7"]
-    texts = [" 3 + 4 = 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>x</answer>", " no.\n</think>",  # task 1: two tries
-             " 2 * 9 = 18", " 2 * 9 = 18, left 7 18."]                                              # task 2: cut, untagged
+    # task 1: two tries
+    texts = [" 3 + 4 = 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>x</answer>", " no.\n</think>",
+             " 2 * 9 = 18", " 2 * 9 = 18, left 7 18."]  # task 2: cut, untagged
     sampler = ScriptedSampler(tok, texts, [True, True, False, True])
     explain = functools.partial(rlt.explain, sampler, teacher, tok, template="compact", max_prompt_len=512, temperature=1.0,
                                 max_new_tokens=40, seed=0)
     score_fn = functools.partial(rlt.score_explanations, teacher, student, tok, **{**RWD, "micro_batch": 4}, device="cpu")
     rlt.export_traces(str(tmp_path / "x.jsonl"), explain, score_fn, tasks, sols, 2, "compact", 0)
     lines = [json.loads(x) for x in open(tmp_path / "x.jsonl")]
-    assert len(lines) == 1 and lines[0]["nums"] == [3, 4, 5]                     # task 2: both penalized, left out
+    assert len(lines) == 1 and lines[0]["nums"] == [3, 4, 5]  # task 2: both penalized, left out
     expl = [rlt.explanation_of(t)[0] for t in texts[:2]]
     _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2, **{**RWD, "micro_batch": 4}, device="cpu")
     best = expl[int(r_ss.argmax())]

@@ -24,7 +24,7 @@ def test_rloo_advantages_leave_one_out_by_hand():
     reward = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1], [1.0, 0.1, 0.0, 1.0]])
     adv = rloo.rloo_advantages(reward)
     assert torch.allclose(adv[0], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))   # 1 − 0;  0 − 1/3
-    assert torch.equal(adv[1], torch.zeros(4))                                   # all equal: no signal (the flatline)
+    assert torch.equal(adv[1], torch.zeros(4))  # all equal: no signal (the flatline)
     assert torch.allclose(adv[2], torch.tensor([1 - 1.1 / 3, 0.1 - 2 / 3, -2.1 / 3, 1 - 1.1 / 3]))
     assert torch.allclose(adv.sum(1), torch.zeros(3), atol=1e-6)                 # zero-mean groups
 
@@ -34,7 +34,7 @@ def test_grpo_advantages_group_normalized_by_hand():
     adv = grpo.grpo_advantages(reward, scale=True)
     # mean 0.25, unbiased std sqrt((0.75² + 3·0.25²)/3) = 0.5
     assert torch.allclose(adv[0], torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-3)
-    assert torch.equal(adv[1:], torch.zeros(2, 4))                               # all equal: zero, never NaN
+    assert torch.equal(adv[1:], torch.zeros(2, 4))  # all equal: zero, never NaN
     assert torch.allclose(grpo.grpo_advantages(reward, scale=False)[0], torch.tensor([0.75, -0.25, -0.25, -0.25]))
     assert torch.allclose(adv.sum(1), torch.zeros(3), atol=1e-5)
 
@@ -52,31 +52,32 @@ def test_k3_kl_nonnegative_zero_at_match_and_unbiased(k3):
     a, b = torch.randn(50, generator=g), torch.randn(50, generator=g)
     assert (k3(a, b) >= 0).all() and torch.equal(k3(a, a), torch.zeros(50))
     p, q = torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.2, 0.5, 0.3])
-    x = torch.multinomial(p, 200_000, replacement=True, generator=g)             # tokens sampled from π_θ = p
+    x = torch.multinomial(p, 200_000, replacement=True, generator=g)  # tokens sampled from π_θ = p
     est = k3(p.log()[x], q.log()[x]).mean()
-    assert abs(est - (p * (p / q).log()).sum()) < 0.01                           # E_p[k3] = KL(p ‖ q)
+    assert abs(est - (p * (p / q).log()).sum()) < 0.01  # E_p[k3] = KL(p ‖ q)
 
 
 def test_ppo_clip_by_hand():
     args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.0)
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 1.1, 0.5, 0.9]])).requires_grad_()    # ratios ρ
-    for A, want, clipped in ((1.0, [-1.2, -1.1, -0.5, -0.9], [1, 0, 0, 0]),      # A>0: ρ capped at 1+ε
-                             (-1.0, [1.5, 1.1, 0.8, 0.9], [0, 0, 1, 0])):        # A<0: ρ floored at 1−ε
+    for A, want, clipped in ((1.0, [-1.2, -1.1, -0.5, -0.9], [1, 0, 0, 0]),  # A>0: ρ capped at 1+ε
+                             (-1.0, [1.5, 1.1, 0.8, 0.9], [0, 0, 1, 0])):  # A<0: ρ floored at 1−ε
         loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([A]), **vars(args))
         assert torch.allclose(loss, torch.tensor([want])) and parts["clipped"][0].tolist() == clipped
-    args.epsilon_high = 0.6                                                      # clip-higher: 1.5 < 1.6 passes
+    args.epsilon_high = 0.6  # clip-higher: 1.5 < 1.6 passes
     loss, parts = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), **vars(args))
     assert torch.allclose(loss, torch.tensor([[-1.5, -1.1, -0.5, -0.9]])) and parts["clipped"].sum() == 0
     args.epsilon_high = 0.0
     loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([1.0]), **vars(args))
     (grad,) = torch.autograd.grad(loss.sum(), logp)
-    assert grad[0, 0] == 0 and (grad[0, 1:] != 0).all()                         # the clipped token: no gradient
+    assert grad[0, 0] == 0 and (grad[0, 1:] != 0).all()  # the clipped token: no gradient
 
 
 @pytest.mark.parametrize("kl_ratio", [False, True])
 def test_grpo_kl_term_uses_beta(kl_ratio):
-    args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.5, kl_ratio=kl_ratio)  # ρ = 1: the forms agree
+    # ρ = 1: the forms agree
+    args = SimpleNamespace(epsilon=0.2, epsilon_high=0.0, beta=0.5, kl_ratio=kl_ratio)
     logp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
     loss, parts = grpo.grpo_loss(logp, logp, ref, torch.tensor([0.0]), **vars(args))
     k3 = 0.5 - 1 - math.log(0.5)                                                 # r = 0.25/0.5
@@ -100,28 +101,29 @@ def test_rloo_loss_by_hand(kl_ratio):
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     entropy = torch.tensor([[1.0, 3.0, 7.0]])
     loss, parts = rloo.rloo_loss(logp, logp.clone(), entropy, mask, torch.tensor([0.5]), **vars(args))
-    assert abs(loss.item() - (-0.5 * -3.0 - 0.1 * 2.0)) < 1e-6                  # −w·A·log π(y) − λ_H·H, KL 0
+    assert abs(loss.item() - (-0.5 * -3.0 - 0.1 * 2.0)) < 1e-6  # −w·A·log π(y) − λ_H·H, KL 0
     assert parts["is_weight"].item() == 1.0
-    old = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0]])                        # μ gave token 2 twice π's prob
+    old = torch.tensor([[-1.0, -2.0 + math.log(2), 0.0]])  # μ gave token 2 twice π's prob
     loss2, parts = rloo.rloo_loss(logp, old, entropy, mask, torch.tensor([0.5]), **vars(args))
     assert abs(parts["is_weight"].item() - 0.5) < 1e-6
-    k3 = (1 - math.log(2)) * (0.5 if kl_ratio else 1.0)                          # r = μ/π = 2; times π/μ = 1/2
+    k3 = (1 - math.log(2)) * (0.5 if kl_ratio else 1.0)  # r = μ/π = 2; times π/μ = 1/2
     assert abs(loss2.item() - (-0.5 * 0.5 * -3.0 - 0.2 + k3 / 2)) < 1e-6
 
 
 def test_rloo_logs_the_importance_weight_before_its_clip():
-    """Paper 000 (App. B) watches the IS-weight mean reach ~12.4 under a clip of 10: only the raw w can."""
+    """Paper 000 (App. B) watches the IS-weight mean reach ~12.4 under a clip of 10: only the raw w
+    can."""
     args = SimpleNamespace(is_clip=10.0, entropy_coef=0.0, kl_coef=0.0, kl_ratio=True)
     logp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
-    old = logp - torch.tensor([[5.0, 0.0], [0.0, 0.0]])                          # row 0: π/μ = e^5 ≈ 148
+    old = logp - torch.tensor([[5.0, 0.0], [0.0, 0.0]])  # row 0: π/μ = e^5 ≈ 148
     _, parts = rloo.rloo_loss(logp, old, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([1.0, -1.0]), **vars(args))
     assert parts["is_weight"].tolist() == [10.0, 1.0]
     assert torch.allclose(parts["is_weight_raw"], torch.tensor([math.exp(5), 1.0]))
 
 
 def exact_kl_grads(logits, other_logp):
-    """∇ KL(π ‖ other) and ∇ KL(other ‖ π) with respect to the logits of a categorical π, by autograd
-    of the exact sums over the vocabulary."""
+    """∇ KL(π ‖ other) and ∇ KL(other ‖ π) with respect to the logits of a categorical π, by
+    autograd of the exact sums over the vocabulary."""
     grads = []
     for forward in (False, True):
         z = logits.detach().clone().requires_grad_(True)
@@ -134,28 +136,31 @@ def exact_kl_grads(logits, other_logp):
 
 @pytest.mark.parametrize("module", [rloo, grpo])
 def test_k3_gradients_are_the_kl_their_docstrings_name(module):
-    """On an exact categorical (every token weighted by the probability that it is drawn): plain k3's
-    expected gradient is KL(other ‖ π_θ)'s, and k3 times π_θ/μ has KL(π_θ ‖ other)'s, for tokens drawn
-    from μ = π_θ (GRPO's first pass) and from a lagging μ (rloo's snapshot) alike."""
+    """On an exact categorical (every token weighted by the probability that it is drawn): plain
+    k3's expected gradient is KL(other ‖ π_θ)'s, and k3 times π_θ/μ has KL(π_θ ‖ other)'s, for
+    tokens drawn from μ = π_θ (GRPO's first pass) and from a lagging μ (rloo's snapshot) alike."""
     torch.manual_seed(0)
     z = torch.randn(7, dtype=torch.float64)                                      # π_θ = softmax(z)
     ref = torch.randn(7, dtype=torch.float64).log_softmax(-1)
     reverse, forward = exact_kl_grads(z, ref)
 
-    def expected_grad(ratio, mu):  # Σ_y μ(y) ∇ loss(y): the gradient a batch of μ's tokens averages to
+    # Σ_y μ(y) ∇ loss(y): the gradient a batch of μ's tokens averages to
+    def expected_grad(ratio, mu):
         zz = z.clone().requires_grad_(True)
-        per_token = module.k3_kl(zz.log_softmax(-1), ref, mu if ratio else None)  # (V,) each entry "sampled"
+        # (V,) each entry "sampled"
+        per_token = module.k3_kl(zz.log_softmax(-1), ref, mu if ratio else None)
         (mu.exp() * per_token).sum().backward()
         return zz.grad
 
     on_policy = z.log_softmax(-1)
     assert torch.allclose(expected_grad(False, on_policy), forward)              # DeepSeekMath's k3
-    assert torch.allclose(expected_grad(True, on_policy), reverse)               # --kl_ratio (default)
-    assert not torch.allclose(forward, reverse, atol=1e-3)                       # the two really differ here
+    assert torch.allclose(expected_grad(True, on_policy), reverse)  # --kl_ratio (default)
+    assert not torch.allclose(forward, reverse, atol=1e-3)  # the two really differ here
     lagging = torch.randn(7, dtype=torch.float64).log_softmax(-1)
-    assert torch.allclose(expected_grad(True, lagging), reverse)                 # exact for any sampler
+    assert torch.allclose(expected_grad(True, lagging), reverse)  # exact for any sampler
     assert not torch.allclose(expected_grad(False, lagging), forward, atol=1e-3)
-    assert not torch.allclose(expected_grad(False, lagging), reverse, atol=1e-3)  # plain k3: neither KL
+    # plain k3: neither KL
+    assert not torch.allclose(expected_grad(False, lagging), reverse, atol=1e-3)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
@@ -163,7 +168,8 @@ def test_k3_gradients_are_the_kl_their_docstrings_name(module):
 def test_ratio_is_one_on_the_first_pass_at_any_temperature(module, ratio, temperature, tiny_ckpt, tmp_path,
                                                            monkeypatch):
     """Sampler and trainer both score logits / T, so nothing is off-policy before the first update."""
-    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")  # fp32 training forwards: agreement to float precision
+    # fp32 training forwards: agreement to float precision
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")
     module.main(["--init", tiny_ckpt, *FAST, "--temperature", str(temperature), "--output_dir", str(tmp_path)])
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")][1:]
     for row in rows:
@@ -177,10 +183,10 @@ def test_score_rollouts_sparse_dense_and_wrong_reward():
     tasks = [{"nums": [1, 2], "target": 3}, {"nums": [3, 3], "target": 10}]
     exact, reward = S.score_rollouts(ro, tasks, "sparse")
     assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1])) and torch.equal(reward, exact.view(2, 2))
-    exact, reward = S.score_rollouts(ro, tasks, "dense")                         # 9 vs 10: 0.1 + 0.5 · 0.9
+    exact, reward = S.score_rollouts(ro, tasks, "dense")  # 9 vs 10: 0.1 + 0.5 · 0.9
     assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
     assert torch.allclose(reward, torch.tensor([[1.0, 0.1], [0.0, 0.55]]))
-    for wrong in (0.0, -0.5):                                                 # a wrong answer earns as much as none, or less
+    for wrong in (0.0, -0.5):  # a wrong answer earns as much as none, or less
         exact, reward = S.score_rollouts(ro, tasks, "sparse", wrong)
         assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
         assert torch.equal(reward, torch.tensor([[1.0, wrong], [0.0, wrong]]))
@@ -200,7 +206,8 @@ def test_two_steps_in_a_subprocess(script, tiny_ckpt, tmp_path):
     keys |= {"train/ratio", "train/ratio_max"} if script == "grpo.py" else \
         {"train/is_weight", "train/is_weight_raw", "train/is_weight_raw_max"}
     assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())
-    assert rows[-1]["train/sampler_gap"] < 1e-3    # the HF sampler is the policy: its log-probs must agree
+    # the HF sampler is the policy: its log-probs must agree
+    assert rows[-1]["train/sampler_gap"] < 1e-3
     assert {"config.json", "model.safetensors", "tokenizer.json", "args.json"} <= set(os.listdir(tmp_path))
 
 
@@ -225,7 +232,8 @@ def test_grpo_reference_stays_frozen_and_syncs_when_asked(tiny_ckpt, tmp_path):
     assert any(not torch.equal(p0, p) for p0, p in zip(init.parameters(), model.parameters()))
     model, ref = grpo.main(["--init", tiny_ckpt, *FAST, "--weight_decay", "0.1", "--ref_sync_every", "2", "--ref_sync_mix", "1.0",
                             "--output_dir", str(tmp_path / "b")])
-    assert all(torch.equal(p_ref, p) for p_ref, p in zip(ref.parameters(), model.parameters()))  # mix 1: a copy
+    # mix 1: a copy
+    assert all(torch.equal(p_ref, p) for p_ref, p in zip(ref.parameters(), model.parameters()))
 
 
 @pytest.mark.parametrize("script,flag,value,message", [
@@ -256,13 +264,14 @@ def sft_model(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("module", [rloo, grpo])
 def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
-    """The learning check: on 32 problems seen every step, training accuracy must climb (measured here:
-    0.15 -> 0.25 in 20 steps from this half-trained model, 0.35 -> 0.65 from the pipeline's). New
-    problems every step do not move it as much on the tiny model: README, "RL"."""
+    """The learning check: on 32 problems seen every step, training accuracy must climb (measured
+    here: 0.15 -> 0.25 in 20 steps from this half-trained model, 0.35 -> 0.65 from the
+    pipeline's). New problems every step do not move it as much on the tiny model: README, "RL"."""
     tasks = D.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"nums": t["nums"], "target": t["target"]}) + "\n" for t in tasks))
-    pipeline = ["--temperature", "1.0", "--beta", "0.04"] if module is grpo else []  # what the check was measured with
+    # what the check was measured with
+    pipeline = ["--temperature", "1.0", "--beta", "0.04"] if module is grpo else []
     module.main(["--init", sft_model, *pipeline, "--data", str(data), "--eval_data", GEN, "--template", "compact", "--eval_problems", "4",
                  "--eval_samples", "2", "--eval_max_new_tokens", "8", "--batch_size", "32", "--group_size", "8",
                  "--micro_batch", "128", "--max_response_len", "160", "--max_steps", "20", "--lr", "1e-4",

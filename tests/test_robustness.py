@@ -1,5 +1,5 @@
-"""A student's first hour: killed runs, blown-up learning rates, typos and odd data. Each ends in one
-line on stderr (exit code 2, no traceback) or in a run that goes on exactly where it stopped."""
+"""A student's first hour: killed runs, blown-up learning rates, typos and odd data. Each ends in
+one line on stderr (exit code 2, no traceback) or in a run that goes on exactly where it stopped."""
 import importlib
 import importlib.util
 import json
@@ -28,7 +28,8 @@ def run(*args, env=None):
 
 
 def one_line_error(r, message):
-    """Exit code 2 and one `error:` line holding `message` (a progress bar may have been drawn before it)."""
+    """Exit code 2 and one `error:` line holding `message` (a progress bar may have been drawn
+    before it)."""
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("error: ") == 1, r.stderr[-2000:]
     line = r.stderr.split("error: ")[1].strip()
     assert message in line and "\n" not in line, r.stderr[-2000:]
@@ -64,15 +65,18 @@ def comparable(row):
 
 @pytest.mark.parametrize("script", ["sft", "ipo", "rloo", "grpo", "opd", "rlt"])
 def test_a_resumed_run_continues_exactly(script, ckpt, tmp_path):
-    """Kill after step 2, resume: step 3 is the uninterrupted run's step 3, to the last digit (CPU, fixed seed).
-    The killed run is the full run's directory as it was after step 2: its newest state is step 2's."""
+    """Kill after step 2, resume: step 3 is the uninterrupted run's step 3, to the last digit (CPU,
+    fixed seed). The killed run is the full run's directory as it was after step 2: its newest
+    state is step 2's."""
     cmd, full, cut = commands(ckpt)[script], str(tmp_path / "full"), str(tmp_path / "cut")
     r = run(*cmd, "--save_every", "1", "--output_dir", full)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(os.path.join(full, "state"))) == ["step_0000002", "step_0000003"]  # the newest 2 kept
+    # the newest 2 kept
+    assert sorted(os.listdir(os.path.join(full, "state"))) == ["step_0000002", "step_0000003"]
     shutil.copytree(full, cut)
     shutil.rmtree(os.path.join(cut, "state", "step_0000003"))
-    with open(os.path.join(cut, "metrics.jsonl"), "a") as f:  # a line logged after the last state: must go
+    # a line logged after the last state: must go
+    with open(os.path.join(cut, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 3, "train/loss": -1.0}) + "\n")
     r = run(*cmd, "--resume", cut, "--output_dir", "ignored")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -92,12 +96,14 @@ def test_an_existing_run_is_never_overwritten_silently(tmp_path):
     one_line_error(run(*cmd), "is not empty: pass --overwrite")
     assert (tmp_path / "model.safetensors").read_bytes() == before
     r = run(*cmd, "--overwrite", "--lr", "1e-2")
-    assert r.returncode == 0 and [x["step"] for x in metrics(tmp_path)] == [1, 2]  # old metrics gone, not appended
+    # old metrics gone, not appended
+    assert r.returncode == 0 and [x["step"] for x in metrics(tmp_path)] == [1, 2]
     one_line_error(run(*cmd[:-2], "--resume", str(tmp_path / "nothing")), "no saved training state")
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_state(tmp_path):
-    """lr 1e30: step 1 is fine, then the weights are astronomically large and step 2's loss is not finite."""
+    """lr 1e30: step 1 is fine, then the weights are astronomically large and step 2's loss is not
+    finite."""
     cmd = ["sft.py", "--init", "tiny", *EVAL, "--batch_size", "4", "--micro_batch", "2", "--max_steps", "4",
            "--save_every", "1", "--lr", "1e30", "--warmup", "0"]
     r = run(*cmd, "--output_dir", str(tmp_path / "stop"))
@@ -105,14 +111,15 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_state(tmp_path):
     assert "step_0000001" in r.stderr and latest_state(str(tmp_path / "stop")).endswith("step_0000001")
     state = torch.load(os.path.join(latest_state(str(tmp_path / "stop")), "state.pt"), weights_only=False)
     assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
-    # --skip_nonfinite cannot save weights that are already astronomically large: sampling says so in one line
+    # --skip_nonfinite cannot save weights that are already astronomically large: sampling says so
+    # in one line
     one_line_error(run(*cmd, "--skip_nonfinite", "--output_dir", str(tmp_path / "skip")), "weights have blown up")
 
 
 @pytest.mark.parametrize("script", ["sft", "rloo"])
 def test_skip_nonfinite_drops_a_transient_bad_step_and_counts_it(script, ckpt, tmp_path, monkeypatch):
-    """NaN log-probs in step 2's training forward only: without the flag the run stops there; with it, step 2
-    leaves the weights as step 1 left them, is counted, and step 3 trains on."""
+    """NaN log-probs in step 2's training forward only: without the flag the run stops there; with
+    it, step 2 leaves the weights as step 1 left them, is counted, and step 3 trains on."""
     module, step = importlib.import_module(script), {"n": 1}
     real_stats, real_clip = module.token_stats, torch.nn.utils.clip_grad_norm_
 
@@ -170,6 +177,7 @@ def test_clear_one_line_errors(ckpt, tmp_path):
                        str(tmp_path / "h")), "not a multiple")
     one_line_error(run("rloo.py", "--init", ckpt, *RL, "--max_prompt_len", "5", "--output_dir", str(tmp_path / "i")),
                    "longer than --max_prompt_len 5")
-    if importlib.util.find_spec("vllm") is None:  # the main venv: the vLLM lane has a venv of its own
+    # the main venv: the vLLM lane has a venv of its own
+    if importlib.util.find_spec("vllm") is None:
         one_line_error(run("evaluate.py", "--model", ckpt, "--backend", "vllm", "--data", GEN, "--num_problems", "2"),
                        "--backend vllm needs vLLM")

@@ -54,7 +54,8 @@ def test_solver_pairs_are_verified_and_hard():
     assert len(pairs) >= 18 and "solver pairs" in report
     for (p, chosen, rejected), t in zip(pairs, tasks):
         assert V.score(chosen, t["nums"], t["target"]) == 1.0 and V.score(rejected, t["nums"], t["target"]) == 0.1
-        assert chosen.split("<answer>")[0] == rejected.split("<answer>")[0]  # same trace, other answer
+        # same trace, other answer
+        assert chosen.split("<answer>")[0] == rejected.split("<answer>")[0]
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +116,16 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
                       "--micro_batch", "2", "--max_steps", "1", "--eval_problems", "2", "--eval_samples", "1",
                       "--eval_max_new_tokens", "4", "--output_dir", str(tmp_path / "out")])
     assert model is not None and os.path.isfile(tmp_path / "out" / "model.safetensors")
-    assert "18 training examples" in capsys.readouterr().out  # a file's last rows (here 2) are held out
+    # a file's last rows (here 2) are held out
+    assert "18 training examples" in capsys.readouterr().out
     args = sft.parse_args(sft.Args, ["--data", str(data), "--eval_problems", "2", "--num_train", "5"])
     prompts, write = sft.sft_data(args.data, "train", args.num_train, args.template, args.eval_problems)   # --num_train keeps a file's first rows
     assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
 
 def test_base_stage_trains_on_plain_arithmetic(tmp_path):
-    """--data arith:...: no prompt, the whole text is the target; fresh random paths each epoch; the run's
-    held-out check is eval/loss (a base model writes no answers to sample pass@k from)."""
+    """--data arith:...: no prompt, the whole text is the target; fresh random paths each epoch; the
+    run's held-out check is eval/loss (a base model writes no answers to sample pass@k from)."""
     args = sft.parse_args(sft.Args, ["--data", "arith:nums=3,range=1-20,test=5,val=5"])
     prompts, write = sft.sft_data(args.data, "train", 30, args.template, args.eval_problems)
     a, b = write(random.Random(1)), write(random.Random(2))
@@ -141,6 +143,6 @@ def test_generated_traces_are_new_each_epoch_unless_fixed():
     data = functools.partial(sft.sft_data, "gen:nums=3,range=1-20,test=5,val=5", "train", 50, "base", 5, dead_ends=3)
     prompts, write = data()
     a, b = write(random.Random(1)), write(random.Random(2))
-    assert len(prompts) == len(a) == 50 and a != b               # another solution path, other dead ends
+    assert len(prompts) == len(a) == 50 and a != b  # another solution path, other dead ends
     _, write = data(fixed_traces=True)
     assert write(random.Random(1)) == write(random.Random(2))    # one dataset for the whole run

