@@ -165,7 +165,7 @@ def main(argv=None):
             for i, (rows, ids, attn, mask, old_logp) in enumerate(mbs):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
-                    st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # logits / T
+                    st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
                             ref_logps[i] = token_stats(ref, ids, attn, mask,

@@ -125,8 +125,9 @@ def build_pairs(pairs, data, num_prompts, template, sampler, group_size, tempera
     for i, (p, t) in enumerate(zip(prompts, tasks)):
         texts = ro.texts[i * group_size:(i + 1) * group_size]
         good = [x for x in texts if score(x, t["nums"], t["target"]) == 1.0]
-        bad = [x for x in texts if (dense_score(x, t["nums"], t["target"]) > 0.1
-                                    if rejected == "near_miss" else score(x, t["nums"], t["target"]) < 1.0)]
+        near = rejected == "near_miss"  # right numbers, wrong value; else any wrong answer
+        bad = [x for x in texts if (dense_score(x, t["nums"], t["target"]) > 0.1 if near
+                                    else score(x, t["nums"], t["target"]) < 1.0)]
         if good and bad:  # prompts the model always or never solves give no pair
             out.append((p, rng.choice(good), rng.choice(bad)))
     return out, f"{len(out)} on-policy pairs from {len(prompts)} prompts x {group_size} samples"
@@ -136,7 +137,8 @@ def seq_logps(net, chunk, tok, length_norm, max_prompt_len, max_response_len):
     """Log-probs of chosen and rejected under `net` for a list of pairs: (b,) each, plus the chosen
     per-token log-probs and mask for the RPO anchor. One forward over the 2b sequences."""
     ps, ws, ls = zip(*chunk)
-    ids, attn, mask = (x.to(net.device) for x in tokenize_pairs(tok, list(ps) * 2, list(ws) + list(ls),
+    ids, attn, mask = (x.to(net.device) for x in tokenize_pairs(tok, list(ps) * 2,
+                                                                 list(ws) + list(ls),
                                                                  max_prompt_len, max_response_len))
     with autocast(net.device.type, net):
         logp = token_stats(net, ids, attn, mask)["logp"]                          # (2b, T-1)
@@ -188,8 +190,8 @@ def main(argv=None):
     logps = partial(seq_logps, tok=tok, length_norm=args.length_norm,
                     max_prompt_len=args.max_prompt_len, max_response_len=args.max_response_len)
     evaluate = lambda: {  # noqa: E731  pass@k of the policy and its held-out preference accuracy
-        **eval_metrics(model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens, args.template,
-                       args.seed, sampler),
+        **eval_metrics(model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens,
+                       args.template, args.seed, sampler),
         **(heldout_metrics(logps, model, ref, held, args.beta, args.micro_batch) if held else {})}
     # --resume: the pairs were rebuilt above from the init, as the first time; now the trained state
     run = Run(output_dir, total, model, tok, opt, evaluate, sched=sched,
@@ -199,7 +201,7 @@ def main(argv=None):
         if len(run.order) < batch:
             run.order = random.Random(args.seed + step).sample(range(len(pairs)), len(pairs))
         idx, run.order = run.order[:batch], run.order[batch:]
-        # ---- forward / backward per micro-batch: policy and reference log-probs, Eq. 2 (+ RPO) ----
+        # ---- per micro-batch: policy and reference log-probs, Eq. 2 (+ RPO) ----
         stats = StepStats(batch, 0)
         for s in range(0, batch, args.micro_batch):
             chunk = [pairs[i] for i in idx[s:s + args.micro_batch]]

@@ -163,7 +163,8 @@ class Run:
         checkpoint when due, and save a resumable state when due (with the script's `extra` data
         state)."""
         now = time.time()
-        metrics.update({"train/lr": self.opt.param_groups[0]["lr"], "train/skipped_steps": self.skipped,
+        metrics.update({"train/lr": self.opt.param_groups[0]["lr"],
+                        "train/skipped_steps": self.skipped,
                         "train/grad_norm": sum(self.grad_norms) / len(self.grad_norms),
                         "time/sample": self.t_sample, "time/update": now - self.t0 - self.t_sample,
                         "time/step": now - self.t0})

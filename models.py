@@ -67,7 +67,8 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
             raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the --output_dir of a finished run")
     elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         raise CountdownError(f"no such checkpoint dir: {name}")
-    hint = "" if os.path.exists(name) else " The embedded alternative needs no hub: the model `tiny`, e.g. sft.py --init tiny (see README)"
+    hint = "" if os.path.exists(name) else (" The embedded alternative needs no hub: the model `tiny`, "
+                                            "e.g. sft.py --init tiny (see README)")
     if hint:
         check_hub(f"model '{name}'", hint)
     # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would
@@ -85,6 +86,15 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
         # Qwen base: pad == eos, so masks come from lengths
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_frozen(name, device, tok, policy_name):
+    """A model that never trains (a teacher, a student): bf16 weights on a GPU halve its memory
+    (000: a 7B teacher beside a 0.5B student), fp32 on a CPU; it must share the policy's tokenizer."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, other_tok = load_model(name, device, dtype)
+    check_same_tokenizer(tok, other_tok, policy_name, name)
+    return model.eval().requires_grad_(False)
 
 
 def check_same_tokenizer(tok, other, name, other_name):

@@ -35,7 +35,7 @@ from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
 from loop import Run, StepStats, load_policy, rollout_metrics, step_seed
-from models import check_same_tokenizer, load_model
+from models import load_frozen
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
@@ -99,12 +99,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing)
-    # The teacher never trains: bf16 weights on a GPU halve its memory (000: a 7B teacher, a 0.5B
-    # student).
-    teacher, teacher_tok = load_model(args.teacher, device,
-                                      torch.bfloat16 if device == "cuda" else torch.float32)
-    teacher.eval().requires_grad_(False)
-    check_same_tokenizer(tok, teacher_tok, args.init, args.teacher)
+    teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
@@ -123,7 +118,7 @@ def main(argv=None):
         # ---- score and advantage ----
         exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
-        # ---- log-probs, teacher KL and loss per micro-batch: student with grad, teacher without ----
+        # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
         for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id,
                                                              device):

@@ -41,7 +41,7 @@ from common import (CountdownError, RLArgs, arg, autocast, check_rl_args, cli, p
 from data import load_tasks, make_prompt
 from logprobs import token_stats
 from loop import Run, StepStats, load_policy, mix_reference, step_seed
-from models import check_same_tokenizer, load_model
+from models import load_frozen
 from sampler import make_sampler, micro_batches
 from verifier import solve
 
@@ -196,7 +196,7 @@ def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
 
 # ---- which problems, and the teacher's explanations ----------------------------------------------
 def solved(tasks, n=None):
-    """(task, solver equation) for the first n tasks that have one; solved lazily, only as needed."""
+    """(task, solver equation) for the first n tasks that have one, solved only as needed."""
     pairs = ((t, solve(t["nums"], t["target"])) for t in tasks)
     return list(itertools.islice(((t, s) for t, s in pairs if s is not None), n))
 
@@ -218,8 +218,8 @@ def explain(sampler, model, tok, tasks, sols, n, template, max_prompt_len, tempe
     """n teacher completions per task; returns (Rollouts, explanations, penalized flags)."""
     prompts = [teacher_prompt(t, s, template) for t, s in zip(tasks, sols)]
     if max(map(len, tok(prompts, add_special_tokens=False)["input_ids"])) > max_prompt_len:
-        raise CountdownError(f"a teacher prompt (question + solution) is longer than --max_prompt_len "
-                             f"{max_prompt_len}")
+        raise CountdownError("a teacher prompt (question + solution) is longer than "
+                             f"--max_prompt_len {max_prompt_len}")
     sampler.wake()
     sampler.sync(model)
     ro = sampler.generate(prompts, n, temperature, 1.0, 0, max_new_tokens, seed)
@@ -238,6 +238,17 @@ def held_out(explain_fn, score_fn, tasks, sols, n):
             "eval/penalized": sum(pen) / len(pen)}
 
 
+def rlt_metrics(ro, reward, r_ss, r_kl, penalized, expl_tokens):
+    """train/ metrics of an RLT batch. reward (B, G); r_ss, r_kl, penalized (B*G,); expl_tokens: the
+    explanations' tokens in all (the rest of each completion is what follows </think>)."""
+    n = len(ro.completion_ids)
+    return {"train/reward": reward.mean(), "train/r_ss": r_ss.mean(), "train/r_kl": r_kl.mean(),
+            "train/penalized": sum(penalized) / n, "train/reward_std": reward.std(1).mean(),
+            "train/expl_len": expl_tokens / n,
+            "train/resp_len": sum(map(len, ro.completion_ids)) / n,
+            "train/truncated": 1 - sum(ro.finished) / n}
+
+
 def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
     """sft.py-ready JSONL: per problem the best-r_SS explanation of k, in the student format."""
     written = 0
@@ -252,7 +263,8 @@ def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
                 cands = [i for i in range(j * k, (j + 1) * k) if not pen[i]]
                 if cands:  # a problem whose every explanation was penalized is left out
                     best = max(cands, key=lambda i: r_ss[i].item())
-                    f.write(json.dumps({"query": student_prompt(t, template), "nums": t["nums"], "target": t["target"],
+                    f.write(json.dumps({"query": student_prompt(t, template), "nums": t["nums"],
+                                        "target": t["target"],
                                         "completion": student_completion(expl[best], sol),
                                         "r_ss": r_ss[best].item()}) + "\n")
                     written += 1
@@ -266,19 +278,14 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing)
-    student, student_tok = load_model(args.student, device,
-                                      torch.bfloat16 if device == "cuda" else torch.float32)
-    student.eval().requires_grad_(False)
-    check_same_tokenizer(tok, student_tok, args.init, args.student)
-    # π_ref: the initial teacher
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref
     # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are
-    # skipped.
-    # Solved lazily: a 490k-row hub dataset of 4-number problems would take minutes up front.
+    # skipped, solved lazily: a 490k-row hub dataset of 4-number problems takes minutes up front.
     tasks = load_tasks(args.data, "train", args.export_problems if args.max_steps == 0 else None)
     eval_tasks = solved(load_tasks(args.eval_data, "val", args.eval_problems))
     if not eval_tasks or not solved(tasks, 1):
-        raise CountdownError(f"no solvable tasks in {args.eval_data if not eval_tasks else args.data}")
+        raise CountdownError(f"no solvable tasks in {args.data if eval_tasks else args.eval_data}")
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
                            args.max_prompt_len + args.max_response_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -288,31 +295,27 @@ def main(argv=None):
     score_fn = partial(score_explanations, model, student, tok, template=args.template,
                        alpha=args.alpha, lam=args.lam, penalty=args.penalty,
                        micro_batch=args.micro_batch, device=device)
-    evaluate = partial(held_out, partial(explain_fn,
-                                         max_new_tokens=args.eval_max_new_tokens), score_fn,
-                       [t for t, _ in eval_tasks], [s for _, s in eval_tasks], args.eval_samples)
+    eval_explain = partial(explain_fn, max_new_tokens=args.eval_max_new_tokens)
+    evaluate = partial(held_out, eval_explain, score_fn, *zip(*eval_tasks), args.eval_samples)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
               **args.run_options(output_dir))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
-        batch = next_solved(run, tasks, B)
-        row_tasks, sols = [t for t, _ in batch for _ in range(G)
-                           ], [s for _, s in batch for _ in range(G)]
-        ro, expl, pen = explain_fn([t for t, _ in batch], [s for _, s in batch], G,
-                                   seed=step_seed(args.seed, step))
+        batch_tasks, sols = zip(*next_solved(run, tasks, B))
+        ro, expl, pen = explain_fn(batch_tasks, sols, G, seed=step_seed(args.seed, step))
         run.sampled()
         # ---- score (the frozen student's view) and advantage ----
-        reward, r_ss, r_kl = score_fn(row_tasks, sols, expl, pen)                     # (B*G,) each
+        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731  per prompt -> per row
+        reward, r_ss, r_kl = score_fn(rep(batch_tasks), rep(sols), expl, pen)          # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
-        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id,
-                                                             device):
+        mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
+        for rows, ids, attn, mask, old_logp in mbs:
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
-                # logits / T
-                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)
+                st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
                 with torch.no_grad():
                     ref_logp = None if ref is None else \
                         token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
@@ -327,19 +330,15 @@ def main(argv=None):
         # ---- optimizer step, reference sync, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
         if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
-            # 004: a slowly moving reference, not a frozen one
-            mix_reference(ref, model, args.ref_sync_mix)
+            mix_reference(ref, model, args.ref_sync_mix)  # 004: a slowly moving reference
         expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
-        run.end_step(step, {**stats.metrics(), "train/reward": reward.mean(), "train/r_ss": r_ss.mean(),
-                            "train/r_kl": r_kl.mean(), "train/penalized": sum(pen) / (B * G),
-                            "train/reward_std": reward.view(B, G).std(1).mean(),
-                            "train/expl_len": expl_tokens / (B * G), "train/resp_len": stats.n_tokens / (B * G),
-                            "train/truncated": 1 - sum(ro.finished) / (B * G)})
+        run.end_step(step, {**stats.metrics(), **rlt_metrics(ro, reward.view(B, G), r_ss, r_kl, pen,
+                                                             expl_tokens)})
     run.close()
     if args.export:
         ex = solved(tasks, args.export_problems)
-        export_traces(args.export, explain_fn, score_fn, [t for t, _ in ex],
-                      [s for _, s in ex], args.export_best_of, args.template, args.seed)
+        export_traces(args.export, explain_fn, score_fn, *zip(*ex), args.export_best_of,
+                      args.template, args.seed)
     return model
 
 

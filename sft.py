@@ -91,8 +91,8 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
         tasks = load_tasks("gen:" + spec, split, n or 20_000)
         if kind == "arith":
             nums = [t["nums"] for t in tasks]
-            write = lambda rng: [arith_text(nums[i:i + 4], rng) for i in range(len(nums))]  # noqa: E731
-            return [""] * len(tasks), write
+            return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng)
+                                                   for i in range(len(nums))]
         def write(rng):
             return [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses) for t in tasks]
         fixed = write(random.Random(seed)) if fixed_traces else None
@@ -151,9 +151,9 @@ def main(argv=None):
                       max_response_len=args.max_response_len, device=device)
     val_batches = val_prompts and partial(batches, val_prompts, write_val(random.Random(0)))
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
-    # a base model writes no answers yet
-    eval_fn = None if args.data.startswith("arith") else partial(
-        eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens, args.template, args.seed)
+    eval_fn = None if args.data.startswith("arith") else partial(  # a base model writes no answers
+        eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens,
+        args.template, args.seed)
     steps_per_epoch = max(1, len(prompts) // args.batch_size)
     total = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -184,7 +184,8 @@ def main(argv=None):
         run.optimizer_step(step, stats.sums["nll"] / stats.n_tokens)
         run.end_step(step, {"train/loss": stats.sums["nll"] / stats.n_tokens,
                             "train/token_acc": stats.sums["correct"] / stats.n_tokens,
-                            "time/tokens_per_s": stats.n_tokens / (time.time() - run.t0)}, responses=responses)
+                            "time/tokens_per_s": stats.n_tokens / (time.time() - run.t0)},
+                     responses=responses)
     run.close()
     return model
 
