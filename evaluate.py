@@ -10,6 +10,7 @@ OUT/summary.json and OUT/samples.jsonl (DESIGN.md contract).
   python evaluate.py --recompute out/eval/sft        # re-score stored samples with today's verifier
   python evaluate.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png
   python evaluate.py --report out/cpu     # results.json, Tables 1-2 and the PNGs of a run_cpu.sh run
+  python evaluate.py --model out/cpu/sft --test_time ...  # also run the self-verification selector live
 """
 import json
 import os
@@ -20,15 +21,7 @@ from math import comb, nan
 
 import torch
 
-from common import (
-    CountdownError,
-    arg,
-    autocast,
-    cli,
-    device_and_dtype,
-    parse_args,
-    seed_everything,
-)
+from common import CountdownError, arg, autocast, cli, device_and_dtype, parse_args, seed_everything
 from data import load_tasks, make_prompt, read_jsonl
 from models import load_model
 from sampler import HFSampler, make_sampler
@@ -60,6 +53,8 @@ class Args:
     report: str = arg("", "a pipeline dir (run_cpu.sh): gather DIR/eval/*/summary.json into "
                           "results.json, print paper 000's Tables 1-2, draw pass_at_k.png and "
                           "rl_curves.png")
+    test_time: bool = arg(False, "also run paper 000's test-time self-verification for real: draw "
+                                 "samples until the verifier accepts one or --num_samples are drawn")
 
 
 def pass_at_k(n, c, k):
@@ -100,6 +95,53 @@ def arithmetic(completions, targets):
             "step_error_by_op": {op: rate([s for s in steps if s[1] == op]) for op in "+-*/"}}
 
 
+def verification(correct, n, sizes=None):
+    """Paper 000 §3.4, Table 2: draw samples until the verifier accepts one or the budget N is spent.
+    From c correct of n stored samples per problem, in expectation over their order: realized
+    accuracy at N = pass@N, samples drawn = Eq. 5; for every N up to n, overall and by `sizes`."""
+    def table(cs):
+        return {str(N): {"accuracy": sum(pass_at_k(n, c, N) for c in cs) / len(cs),
+                         "avg_samples": sum(expected_samples(n, c, N) for c in cs) / len(cs)}
+                for N in _ks(n)}
+    by_size = {str(s): table([c for c, z in zip(correct, sizes) if z == s]) for s in sorted(set(sizes or []))}
+    return {"budgets": table(correct), "by_size": by_size}
+
+
+def verify_live(sampler, tasks, budget, temperature, top_p, top_k, max_new_tokens, template, seed):
+    """The selector run for real: each round draws one sample for every problem the verifier has not
+    yet accepted, until it accepts one or `budget` are drawn. It checks only the prompt's own numbers
+    and target, never a reference solution. Returns the same table as verification(): at budget N,
+    accuracy = accepted within N draws, samples = mean of min(draws, N); overall and by size."""
+    prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
+    first = [None] * len(tasks)  # the draw (1-based) the verifier accepted, per problem
+    for r in range(budget):
+        live = [i for i, f in enumerate(first) if f is None]
+        if not live:
+            break
+        ro = sampler.generate([prompts[i] for i in live], 1, temperature, top_p, top_k, max_new_tokens,
+                              seed + r)  # a new seed a round: a new sample, not the same one again
+        for i, text in zip(live, ro.texts):
+            if score(text, tasks[i]["nums"], tasks[i]["target"]) == 1.0:
+                first[i] = r + 1
+
+    def table(idx):
+        return {str(N): {"accuracy": sum(first[i] is not None and first[i] <= N for i in idx) / len(idx),
+                         "avg_samples": sum(min(first[i] or N, N) for i in idx) / len(idx)}
+                for N in _ks(budget)}
+    sizes = sorted({len(t["nums"]) for t in tasks})
+    return {"budgets": table(range(len(tasks))),
+            "by_size": {str(s): table([i for i, t in enumerate(tasks) if len(t["nums"]) == s]) for s in sizes}}
+
+
+def format_verification(v, title):
+    """Table 2's left half: realized accuracy and samples drawn per budget N, overall and by size."""
+    lines = [title, f"{'N':>4}{'accuracy':>10}{'avg n':>8}" + "".join(f"{s + ' nums':>12}" for s in v["by_size"])]
+    for N, row in v["budgets"].items():
+        lines.append(f"{N:>4}{row['accuracy']:>10.3f}{row['avg_samples']:>8.2f}"
+                     + "".join(f"{v['by_size'][s][N]['accuracy']:>12.3f}" for s in v["by_size"]))
+    return "\n".join(lines)
+
+
 def summarize(records):
     """The summary.json dict (DESIGN.md) from per-problem records with a `scores` list each."""
     n = len(records[0]["scores"])
@@ -121,6 +163,7 @@ def summarize(records):
             "format_rate": sum(s > 0 for s in scores) / len(scores),
             "arithmetic": arithmetic(*zip(*[(c, r["target"]) for r in records for c in r.get("completions", [])])
                                      or ([], [])),
+            "verification": verification(correct, n, [len(r["nums"]) for r in records]),
             "best_of_n": {"accuracy": sum(c > 0 for c in correct) / len(correct),
                           "avg_samples": sum(expected_samples(n, c, n) for c in correct) / len(correct)}}
 
@@ -236,10 +279,14 @@ def report(out):
               + "".join(f"{r['by_size'][s]['pass_at_k']['1']:>11.3f}" for s in sizes)
               + f"{r['format_rate']:>8.3f}{a.get('step_error', nan):>9.3f}{a.get('false_claims', nan):>7.3f}"
               + f"{r['wall_seconds'] if r['wall_seconds'] is not None else '-':>8}")
-    print(f"\nTable 2 (verifier-guided best-of-{first['num_samples']}, early stop at the first verified sample)\n"
-          f"{'stage':<18}{'accuracy':>10}{'avg samples':>13}")
+    budgets = list(first.get("verification", {}).get("budgets", {}))
+    print(f"\nTable 2 (test-time self-verification: sample until the verifier accepts, at most N; "
+          f"accuracy at N, and the samples drawn on average at N = {first['num_samples']})\n"
+          f"{'stage':<18}" + "".join(f"{'N=' + N:>8}" for N in budgets) + f"{'avg n':>8}")
     for n, r in results.items():
-        print(f"{n:<18}{r['best_of_n']['accuracy']:>10.3f}{r['best_of_n']['avg_samples']:>13.2f}")
+        row = r.get("verification", {}).get("budgets", {})
+        print(f"{n:<18}" + "".join(f"{row[N]['accuracy'] if N in row else nan:>8.3f}" for N in budgets)
+              + f"{r['best_of_n']['avg_samples']:>8.2f}")
     plot([os.path.join(out, "eval", n) for n in names], os.path.join(out, "pass_at_k.png"))
     plot_training(out)
     print(f"\nwrote {out}/results.json, {out}/pass_at_k.png, {out}/rl_curves.png")
@@ -287,6 +334,7 @@ def main():
         summary = summarize(records)
         write_results(args.recompute, summary, records)
         print(format_table(summary))
+        print(format_verification(summary["verification"], "test-time verification (stored samples)"))
         return
     seed_everything(args.seed)
     device, dtype = device_and_dtype()
@@ -297,9 +345,16 @@ def main():
     summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature,
                                 args.top_p, args.top_k, args.max_new_tokens, args.template,
                                 args.seed, sampler)
+    if args.test_time:
+        summary["verification_live"] = verify_live(sampler, tasks, args.num_samples, args.temperature,
+                                                   args.top_p, args.top_k, args.max_new_tokens,
+                                                   args.template, args.seed + 1)
     if args.out:
         write_results(args.out, summary, records)
     print(format_table(summary))
+    print(format_verification(summary["verification"], "test-time verification (stored samples)"))
+    if args.test_time:
+        print(format_verification(summary["verification_live"], "test-time verification (live)"))
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.load(open(out / "summary.json"))
     assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n", "pass_at_1_stderr",
-                      "arithmetic"}
+                      "arithmetic", "verification"}
+    assert list(s["verification"]["budgets"]) == ["1", "2", "4"]
     assert s["num_problems"] == 6 and s["num_samples"] == 4 and set(s["pass_at_k"]) == {"1", "2", "4"}
     assert set(s["by_size"]) <= {"3", "4"} and set(s["best_of_n"]) == {"accuracy", "avg_samples"}
     rows = [json.loads(x) for x in open(out / "samples.jsonl")]
@@ -129,7 +130,7 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     assert res["rloo"]["pass_at_k"]["1"] == pytest.approx(0.2)
     table1 = r.stdout.split("Table 2")[0]
     assert table1.index("sft") < table1.index("rloo") < table1.index("rlt_student") < table1.index("zzz_extra")
-    assert "3 nums@1" in table1 and "avg samples" in r.stdout and "0.125  0.250" in table1
+    assert "3 nums@1" in table1 and "avg n" in r.stdout and "0.125  0.250" in table1
     for png in ("pass_at_k.png", "rl_curves.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     r = subprocess.run([sys.executable, "evaluate.py", "--report", str(tmp_path / "nothing")], cwd=ROOT,
@@ -147,3 +148,59 @@ def test_search_probe_counts_tries_aim_and_repeats_by_hand():
     stats = search_probe.try_stats([([9, 2, 13], 31, [[hit], [miss, miss]])])
     assert stats == pytest.approx({"tries/sample": 1.5, "repeated": 1 / 3, "hit/try": 1 / 3, "hit/first try": 0.5,
                                    "aimed": 1 / 3, "hit/aimed try": 1.0, "hit/other try": 0.0})
+
+
+def test_verification_table_is_pass_at_n_and_eq5_by_budget_and_size():
+    correct, sizes = [0, 1, 4, 2], [3, 3, 4, 4]
+    v = E.verification(correct, 4, sizes)
+    assert list(v["budgets"]) == ["1", "2", "4"] and list(v["by_size"]) == ["3", "4"]
+    for N in (1, 2, 4):
+        row = v["budgets"][str(N)]
+        assert row["accuracy"] == pytest.approx(sum(E.pass_at_k(4, c, N) for c in correct) / 4)
+        assert row["avg_samples"] == pytest.approx(sum(E.expected_samples(4, c, N) for c in correct) / 4)
+    assert v["budgets"]["4"]["accuracy"] == 0.75                                  # one problem never solved
+    assert v["by_size"]["4"]["1"]["accuracy"] == pytest.approx((1 + 0.5) / 2)     # 4/4 and 2/4 correct
+
+
+class ScriptedSampler:
+    """Answers problem i correctly from its draw k_i on (never if k_i is None): the live selector must
+    stop there, and redraw only the problems not yet accepted."""
+
+    def __init__(self, tasks, first_correct):
+        self.tasks, self.first, self.draws, self.prompts_seen = tasks, first_correct, [0] * len(tasks), []
+
+    def generate(self, prompts, n, *args):
+        self.prompts_seen.append(len(prompts))
+        texts = []
+        for p in prompts:
+            i = next(j for j, t in enumerate(self.tasks) if f"equals {t['target']}." in p)
+            self.draws[i] += 1
+            t, k = self.tasks[i], self.first[i]
+            good = k is not None and self.draws[i] >= k
+            expr = " + ".join(map(str, t["nums"])) if good else "0"
+            texts.append(f"</think>\n<answer>{expr}</answer>")
+        return type("R", (), {"texts": texts})
+
+
+def test_live_selector_stops_at_the_first_verified_sample():
+    tasks = [{"nums": [1, 2, 3], "target": 6}, {"nums": [2, 3, 4], "target": 9},
+             {"nums": [5, 6, 7, 1], "target": 19}]
+    sampler = ScriptedSampler(tasks, [1, 3, None])
+    v = E.verify_live(sampler, tasks, 4, 0.6, 0.95, 20, 32, "compact", seed=0)
+    assert sampler.draws == [1, 3, 4] and sampler.prompts_seen == [3, 2, 2, 1]    # accepted rows leave
+    assert v["budgets"]["1"] == {"accuracy": 1 / 3, "avg_samples": 1.0}
+    assert v["budgets"]["2"] == {"accuracy": 1 / 3, "avg_samples": (1 + 2 + 2) / 3}
+    assert v["budgets"]["4"] == {"accuracy": 2 / 3, "avg_samples": (1 + 3 + 4) / 3}
+    assert v["by_size"]["4"]["4"]["accuracy"] == 0.0 and v["by_size"]["3"]["4"]["accuracy"] == 1.0
+
+
+def test_cli_test_time_runs_the_live_selector(tmp_path, tiny_ckpt):
+    out = tmp_path / "e"
+    cmd = [sys.executable, "evaluate.py", "--model", tiny_ckpt, "--data", "gen:nums=3,range=1-9,test=20,val=8",
+           "--num_problems", "4", "--num_samples", "2", "--max_new_tokens", "8", "--template", "compact",
+           "--test_time", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    live = json.load(open(out / "summary.json"))["verification_live"]
+    assert list(live["budgets"]) == ["1", "2"] and 1.0 <= live["budgets"]["2"]["avg_samples"] <= 2.0
+    assert "test-time verification (live)" in r.stdout
