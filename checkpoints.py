@@ -3,6 +3,7 @@ rule that a finished run is never overwritten silently (`--overwrite`), and what
 step does (`--skip_nonfinite`). Every training script calls these the same way; nothing here
 knows an algorithm."""
 import contextlib
+import copy
 import math
 import os
 import random
@@ -20,6 +21,8 @@ def save_checkpoint(model, tokenizer, output_dir):
     checkpoint)."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=output_dir)
+    if hasattr(model, "merge_and_unload"):  # LoRA (peft): save W + BA, an ordinary HF checkpoint
+        model = copy.deepcopy(model).merge_and_unload()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):

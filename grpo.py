@@ -132,7 +132,7 @@ def main(argv=None):
     check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing)
+    model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
     # π_ref: the frozen init
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     tasks = load_tasks(args.data, "train")

@@ -9,17 +9,31 @@ import time
 import torch
 
 from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
-from common import Logger
+from common import CountdownError, Logger
 from models import load_model
 
 
-def load_policy(init, gradient_checkpointing, **tiny_overrides):
-    """(model, tokenizer, device) to train: fp32 master weights (bf16 compute comes from
-    autocast)."""
+def load_policy(init, gradient_checkpointing, lora_rank=0, lora_alpha=0.0,
+                lora_targets="all-linear", **tiny_overrides):
+    """(model, tokenizer, device) to train: fp32 master weights (bf16 compute comes from autocast).
+    With lora_rank > 0 only low-rank adapters train (peft; papers 001 and 002): the model is a
+    PeftModel, and save_checkpoint writes it merged, an ordinary checkpoint for the next --init."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(init, device, torch.float32, **tiny_overrides)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if lora_rank > 0:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise CountdownError("--lora_rank needs peft: pip install -e '.[lora]'") from None
+        targets = lora_targets if lora_targets == "all-linear" else lora_targets.split(",")
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
+                            target_modules=targets)
+        try:
+            model = get_peft_model(model, config)
+        except ValueError as e:  # a target name the model does not have
+            raise CountdownError(f"--lora_targets {lora_targets}: {e}") from None
     return model, tok, device
 
 

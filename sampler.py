@@ -9,6 +9,7 @@ interface (generate -> Rollouts, sync(model), sleep(), wake()):
 The RL scripts' rollout plumbing is here too: rollouts() samples, score_rollouts() runs the
 verifier, rollout_batch() turns rows into trainer tensors.
 """
+import copy
 import os
 from dataclasses import dataclass
 
@@ -178,6 +179,8 @@ class VLLMSampler:
         older path, model_runner.model.load_weights, fails on CPU, whose backend repacks Linear
         weights; and reload_weights with no iterator would reload the checkpoint from disk, as
         TRL's colocate mode does: TRL issue 5312.)"""
+        if hasattr(model, "merge_and_unload"):  # LoRA (peft): the engine holds W + BA
+            model = copy.deepcopy(model).merge_and_unload()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 

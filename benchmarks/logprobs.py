@@ -31,8 +31,7 @@ class HeadOnly(torch.nn.Module):
         self.hidden = hidden
         self.lm_head = torch.nn.Linear(hidden.shape[-1], vocab, bias=False)
 
-    @property
-    def base_model(self):
+    def get_decoder(self):
         return lambda input_ids, attention_mask: SimpleNamespace(last_hidden_state=self.hidden)
 
     def get_output_embeddings(self):

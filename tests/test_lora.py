@@ -1,0 +1,63 @@
+"""LoRA through peft (--lora_rank): only the adapters train, log-probs go through the adapted
+decoder, and a checkpoint is saved merged, an ordinary HF checkpoint for the next script's --init."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import GEN, ROOT
+
+import checkpoints
+import loop
+import models as M
+from logprobs import token_stats, tokenize_pairs
+
+
+def logp_of(model, tok):
+    ids, attn, mask = tokenize_pairs(tok, ["User: 1 2 3\nAssistant: <think>"], [" 1 + 2 = 3"])
+    with torch.no_grad():
+        return token_stats(model, ids, attn, mask)["logp"]
+
+
+def test_lora_trains_only_adapters_and_saves_merged(tmp_path, tiny_ckpt):
+    base, tok = M.load_model(tiny_ckpt)
+    model, _, _ = loop.load_policy(tiny_ckpt, False, lora_rank=4)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert n_lora < 0.2 * sum(p.numel() for p in base.parameters())
+    assert torch.allclose(logp_of(model, tok), logp_of(base, tok), atol=1e-6)  # B = 0 at init: no change
+    for n, p in model.named_parameters():  # a trained adapter: B != 0
+        if "lora_B" in n:
+            p.data.normal_(0, 0.05)
+    adapted = logp_of(model, tok)
+    assert not torch.allclose(adapted, logp_of(base, tok), atol=1e-4)
+    checkpoints.save_checkpoint(model, tok, str(tmp_path))
+    assert not [f for f in os.listdir(tmp_path) if "adapter" in f]               # no peft files: merged
+    merged, _ = M.load_model(str(tmp_path))
+    assert torch.allclose(logp_of(merged, tok), adapted, atol=1e-5)             # W + BA, as trained
+    assert any("lora_" in n for n, _ in model.named_parameters())               # the trainer keeps its adapters
+
+
+@pytest.mark.parametrize("script,extra", [
+    ("grpo.py", ["--group_size", "3", "--max_response_len", "12", "--max_steps", "2", "--beta", "0.04"]),
+    ("sft.py", ["--max_steps", "2"]),
+])
+def test_scripts_run_with_lora_and_write_a_plain_checkpoint(tmp_path, tiny_ckpt, script, extra):
+    out = tmp_path / "run"
+    cmd = [sys.executable, script, "--init", tiny_ckpt, "--data", GEN, "--eval_data", GEN, "--template", "compact",
+           "--eval_problems", "2", "--eval_samples", "2", "--eval_max_new_tokens", "8", "--batch_size", "2",
+           "--micro_batch", "2", "--lr", "1e-3", "--lora_rank", "4", "--output_dir", str(out), *extra]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    model, _ = M.load_model(str(out))                                            # an ordinary checkpoint
+    assert not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_unknown_lora_target_is_one_line(tmp_path, tiny_ckpt):
+    r = subprocess.run([sys.executable, "rloo.py", "--init", tiny_ckpt, "--data", GEN, "--eval_data", GEN,
+                        "--lora_rank", "4", "--lora_targets", "no_such_proj", "--output_dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: --lora_targets no_such_proj")
+    assert "Traceback" not in r.stderr
