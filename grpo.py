@@ -152,7 +152,7 @@ def main(argv=None):
                       args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
         keep = torch.ones(B * G)                                                       # (B*G,)
         if args.mask_truncated:  # 002 §3: rollouts cut at the budget leave the loss
@@ -187,7 +187,7 @@ def main(argv=None):
             # 004: a slowly moving reference, not a frozen one
             mix_reference(ref, model, args.ref_sync_mix)
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(args.num_iterations), **rollout_metrics(ro, exact, reward, adv)}
+        metrics = {**stats.metrics(args.num_iterations), **rollout_metrics(ro, scores, reward, adv)}
         run.end_step(step, metrics)
     run.close()
     return model, ref

@@ -94,13 +94,13 @@ class StepStats:
         return {**out, "train/sampler_gap": self.gap / self.n_tokens}
 
 
-def rollout_metrics(ro, exact, reward, adv):
-    """Paper 001's flatline diagnostics of an RL batch. exact (B*G,): verifier scores 0/0.1/1;
+def rollout_metrics(ro, scores, reward, adv):
+    """Paper 001's flatline diagnostics of an RL batch. scores (B*G,): verifier scores 0/0.1/1;
     reward (B, G): what the advantage saw; adv (B*G,). A group whose rewards are all equal has A
     = 0."""
     n, group_std = len(ro.completion_ids), reward.std(1)  # (B,) within-group spread
-    return {"train/reward": reward.mean(), "train/accuracy": (exact == 1).float().mean(),
-            "train/format": (exact > 0).float().mean(), "train/reward_std": group_std.mean(),
+    return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),
+            "train/format": (scores > 0).float().mean(), "train/reward_std": group_std.mean(),
             "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
             "train/resp_len": sum(map(len, ro.completion_ids)) / n,
             "train/truncated": 1 - sum(ro.finished) / n}
@@ -125,8 +125,9 @@ class Run:
         self.eval_every, self.save_every = eval_every, save_every
         self.eval_first = eval_first  # SFT has nothing to measure at step 0
         self.rng = random.Random(seed)  # the data order's
-        self.start, self.extra = load_state(output_dir, model, opt, sched, self.rng,
-                                            ref) if resume else (0, {})
+        self.start, self.extra = 0, {}
+        if resume:
+            self.start, self.extra = load_state(output_dir, model, opt, sched, self.rng, ref)
         self.order, self.skipped = self.extra.get("order", []), self.extra.get("skipped", 0)
         self.grad_norms = []  # this step's (GRPO makes several)
         self.log = Logger(output_dir, total_steps, config, wandb_project, self.start)
@@ -143,7 +144,7 @@ class Run:
 
     def next_indices(self, n_items, k):
         """The next k of a shuffled order of range(n_items), reshuffled when fewer than k are left;
-        and whether it was (a new epoch)."""
+        and whether it was reshuffled (a new epoch)."""
         new_epoch = len(self.order) < k
         if new_epoch:
             self.order = self.rng.sample(range(n_items), n_items)

@@ -116,12 +116,12 @@ def main(argv=None):
                       args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
-        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id,
-                                                             device):
+        mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
+        for rows, ids, attn, mask, old_logp in mbs:
             # logp, entropy at the rollout T, the KL at kd_temperature
             with autocast(device, model, teacher):
                 st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True,
@@ -141,7 +141,7 @@ def main(argv=None):
             stats.sampler_gap(st["logp"], old_logp, m)
         # ---- optimizer step, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
-        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, exact, reward, adv)})
+        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv)})
     run.close()
     return model
 

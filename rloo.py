@@ -118,15 +118,14 @@ def main(argv=None):
                       args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        exact, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
-        for rows, ids, attn, mask, old_logp in micro_batches(ro, args.micro_batch, tok.pad_token_id,
-                                                             device):
+        mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
+        for rows, ids, attn, mask, old_logp in mbs:
             with autocast(device, model):
-                # of logits / T
-                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True)
+                st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device),
                                     args.entropy_coef, args.kl_coef, args.is_clip, args.kl_ratio)
@@ -141,7 +140,7 @@ def main(argv=None):
             stats.sampler_gap(st["logp"], old_logp, m)
         # ---- optimizer step, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
-        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, exact, reward, adv)})
+        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv)})
     run.close()
     return model
 

@@ -258,16 +258,16 @@ def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temp
 
 
 def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):
-    """The verifier on every rollout: exact scores (n·len(tasks),) in {0, 0.1, 1}, for accuracy and
+    """The verifier on every rollout: scores (n·len(tasks),) in {0, 0.1, 1}, for accuracy and
     format, and the training reward (len(tasks), n): the same scores with `wrong_reward` in place
     of the 0.1 of a wrong answer (sparse; paper 000: 0.1), or paper 001's dense partial credit."""
     n = len(ro.texts) // len(tasks)
     row_tasks = [t for t in tasks for _ in range(n)]
-    exact = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
+    scores = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
     if reward == "dense":
-        return exact, torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]).view(-1, n)
-    wrong = (exact > 0) & (exact < 1)  # an answer, not the target
-    return exact, torch.where(wrong, torch.tensor(wrong_reward), exact).view(-1, n)
+        return scores, torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]).view(-1, n)
+    wrong = (scores > 0) & (scores < 1)  # an answer, not the target
+    return scores, torch.where(wrong, torch.tensor(wrong_reward), scores).view(-1, n)
 
 
 @torch.no_grad()
