@@ -78,15 +78,18 @@ class TrainArgs:
     lora_rank: int = arg(0, "LoRA rank through peft (001 §3.1.2: 32 for the warm start; 002 §5: 8 "
                             "for GRPO); 0: full fine-tuning. Checkpoints are saved merged")
     lora_alpha: float = arg(0.0, "LoRA alpha; 0: twice the rank")
-    lora_targets: str = arg("all-linear", "modules LoRA adapts: all-linear (every projection but the "
-                                          "LM head) or comma-separated names, e.g. q_proj,v_proj")
+    lora_targets: str = arg("all-linear", "modules LoRA adapts: all-linear (every projection but "
+                                          "the LM head) or comma-separated names, e.g. "
+                                          "q_proj,v_proj")
 
     def lora(self):
         """load_policy's LoRA keyword arguments."""
-        return dict(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, lora_targets=self.lora_targets)
+        return dict(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
+                    lora_targets=self.lora_targets)
 
     def run_options(self, output_dir):
-        """The plumbing flags as loop.Run's keyword arguments; args.json records the dir written to."""
+        """The plumbing flags as loop.Run's keyword arguments; args.json records the dir written
+        to."""
         return dict(seed=self.seed, resume=self.resume, grad_clip=self.grad_clip,
                     skip_nonfinite=self.skip_nonfinite, eval_every=self.eval_every,
                     save_every=self.save_every, wandb_project=self.wandb_project,

@@ -10,7 +10,7 @@ OUT/summary.json and OUT/samples.jsonl (DESIGN.md contract).
   python evaluate.py --recompute out/eval/sft        # re-score stored samples with today's verifier
   python evaluate.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png
   python evaluate.py --report out/cpu     # results.json, Tables 1-2 and the PNGs of a run_cpu.sh run
-  python evaluate.py --model out/cpu/sft --test_time ...  # also run the self-verification selector live
+  python evaluate.py --model out/cpu/sft --test_time ...  # also the self-verification selector, live
 """
 import json
 import os
@@ -54,7 +54,8 @@ class Args:
                           "results.json, print paper 000's Tables 1-2, draw pass_at_k.png and "
                           "rl_curves.png")
     test_time: bool = arg(False, "also run paper 000's test-time self-verification for real: draw "
-                                 "samples until the verifier accepts one or --num_samples are drawn")
+                                 "samples until the verifier accepts one or --num_samples are "
+                                 "drawn")
 
 
 def pass_at_k(n, c, k):
@@ -96,46 +97,53 @@ def arithmetic(completions, targets):
 
 
 def verification(correct, n, sizes=None):
-    """Paper 000 §3.4, Table 2: draw samples until the verifier accepts one or the budget N is spent.
-    From c correct of n stored samples per problem, in expectation over their order: realized
-    accuracy at N = pass@N, samples drawn = Eq. 5; for every N up to n, overall and by `sizes`."""
+    """Paper 000 §3.4, Table 2: draw samples until the verifier accepts one or the budget N is
+    spent. From c correct of n stored samples per problem, in expectation over their order:
+    realized accuracy at N = pass@N, samples drawn = Eq. 5; for every N up to n, overall and by
+    `sizes`."""
     def table(cs):
         return {str(N): {"accuracy": sum(pass_at_k(n, c, N) for c in cs) / len(cs),
                          "avg_samples": sum(expected_samples(n, c, N) for c in cs) / len(cs)}
                 for N in _ks(n)}
-    by_size = {str(s): table([c for c, z in zip(correct, sizes) if z == s]) for s in sorted(set(sizes or []))}
+    by_size = {str(s): table([c for c, z in zip(correct, sizes) if z == s])
+               for s in sorted(set(sizes or []))}
     return {"budgets": table(correct), "by_size": by_size}
 
 
 def verify_live(sampler, tasks, budget, temperature, top_p, top_k, max_new_tokens, template, seed):
     """The selector run for real: each round draws one sample for every problem the verifier has not
-    yet accepted, until it accepts one or `budget` are drawn. It checks only the prompt's own numbers
-    and target, never a reference solution. Returns the same table as verification(): at budget N,
-    accuracy = accepted within N draws, samples = mean of min(draws, N); overall and by size."""
+    yet accepted, until it accepts one or `budget` are drawn. It checks only the prompt's own
+    numbers and target, never a reference solution. Returns the same table as verification(): at
+    budget N, accuracy = accepted within N draws, samples = mean of min(draws, N); overall and by
+    size."""
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
     first = [None] * len(tasks)  # the draw (1-based) the verifier accepted, per problem
     for r in range(budget):
         live = [i for i, f in enumerate(first) if f is None]
         if not live:
             break
-        ro = sampler.generate([prompts[i] for i in live], 1, temperature, top_p, top_k, max_new_tokens,
+        ro = sampler.generate([prompts[i] for i in live], 1, temperature, top_p, top_k,
+                              max_new_tokens,
                               seed + r)  # a new seed a round: a new sample, not the same one again
         for i, text in zip(live, ro.texts):
             if score(text, tasks[i]["nums"], tasks[i]["target"]) == 1.0:
                 first[i] = r + 1
 
     def table(idx):
-        return {str(N): {"accuracy": sum(first[i] is not None and first[i] <= N for i in idx) / len(idx),
+        accepted = lambda i, N: first[i] is not None and first[i] <= N  # noqa: E731
+        return {str(N): {"accuracy": sum(accepted(i, N) for i in idx) / len(idx),
                          "avg_samples": sum(min(first[i] or N, N) for i in idx) / len(idx)}
                 for N in _ks(budget)}
     sizes = sorted({len(t["nums"]) for t in tasks})
     return {"budgets": table(range(len(tasks))),
-            "by_size": {str(s): table([i for i, t in enumerate(tasks) if len(t["nums"]) == s]) for s in sizes}}
+            "by_size": {str(s): table([i for i, t in enumerate(tasks) if len(t["nums"]) == s])
+                        for s in sizes}}
 
 
 def format_verification(v, title):
     """Table 2's left half: realized accuracy and samples drawn per budget N, overall and by size."""
-    lines = [title, f"{'N':>4}{'accuracy':>10}{'avg n':>8}" + "".join(f"{s + ' nums':>12}" for s in v["by_size"])]
+    sizes = "".join(f"{s + ' nums':>12}" for s in v["by_size"])
+    lines = [title, f"{'N':>4}{'accuracy':>10}{'avg n':>8}" + sizes]
     for N, row in v["budgets"].items():
         lines.append(f"{N:>4}{row['accuracy']:>10.3f}{row['avg_samples']:>8.2f}"
                      + "".join(f"{v['by_size'][s][N]['accuracy']:>12.3f}" for s in v["by_size"]))
@@ -285,8 +293,9 @@ def report(out):
           f"{'stage':<18}" + "".join(f"{'N=' + N:>8}" for N in budgets) + f"{'avg n':>8}")
     for n, r in results.items():
         row = r.get("verification", {}).get("budgets", {})
-        print(f"{n:<18}" + "".join(f"{row[N]['accuracy'] if N in row else nan:>8.3f}" for N in budgets)
-              + f"{r['best_of_n']['avg_samples']:>8.2f}")
+        print(f"{n:<18}" +
+              "".join(f"{row[N]['accuracy'] if N in row else nan:>8.3f}" for N in budgets) +
+              f"{r['best_of_n']['avg_samples']:>8.2f}")
     plot([os.path.join(out, "eval", n) for n in names], os.path.join(out, "pass_at_k.png"))
     plot_training(out)
     print(f"\nwrote {out}/results.json, {out}/pass_at_k.png, {out}/rl_curves.png")
@@ -334,7 +343,7 @@ def main():
         summary = summarize(records)
         write_results(args.recompute, summary, records)
         print(format_table(summary))
-        print(format_verification(summary["verification"], "test-time verification (stored samples)"))
+        print(format_verification(summary["verification"], "test-time verification (stored)"))
         return
     seed_everything(args.seed)
     device, dtype = device_and_dtype()
@@ -346,13 +355,14 @@ def main():
                                 args.top_p, args.top_k, args.max_new_tokens, args.template,
                                 args.seed, sampler)
     if args.test_time:
-        summary["verification_live"] = verify_live(sampler, tasks, args.num_samples, args.temperature,
-                                                   args.top_p, args.top_k, args.max_new_tokens,
-                                                   args.template, args.seed + 1)
+        summary["verification_live"] = verify_live(sampler, tasks, args.num_samples,
+                                                   args.temperature, args.top_p, args.top_k,
+                                                   args.max_new_tokens, args.template,
+                                                   args.seed + 1)
     if args.out:
         write_results(args.out, summary, records)
     print(format_table(summary))
-    print(format_verification(summary["verification"], "test-time verification (stored samples)"))
+    print(format_verification(summary["verification"], "test-time verification (stored)"))
     if args.test_time:
         print(format_verification(summary["verification_live"], "test-time verification (live)"))
 

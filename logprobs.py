@@ -66,7 +66,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
     with the chunk, not B x T x V, in forward and (checkpointed) backward."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = model.get_decoder()(input_ids=input_ids,
+                                 attention_mask=attention_mask).last_hidden_state
     h = hidden[:, :-1][sel]                                                              # (N, H)
     targets = input_ids[:, 1:][sel]                                                      # (N,)
     weight = model.get_output_embeddings().weight                                        # (V, H)
