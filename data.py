@@ -10,8 +10,8 @@ from common import CountdownError
 
 # ---- prompts ---------------------------------------------------------------------------
 # TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the
-# same
-# assistant prefix but drops the preamble: with the embedded tokenizer it halves the prompt length.
+# same assistant prefix but drops the preamble: with the embedded tokenizer it halves the prompt
+# length.
 TEMPLATES = {
     "base": "A conversation between User and Assistant. The user asks a question, and the Assistant "
             "solves it. The assistant first thinks about the reasoning process in the mind and then "

@@ -72,9 +72,8 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     if hint:
         check_hub(f"model '{name}'", hint)
     # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would
-    # drop the
-    # tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed one as
-    # saved.
+    # drop the tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed
+    # one as saved.
     tok_cfg = os.path.join(name, "tokenizer_config.json")
     plain = os.path.isfile(tok_cfg) and json.load(open(tok_cfg)).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
     try:

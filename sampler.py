@@ -27,9 +27,9 @@ class Rollouts:
     """n completions per prompt, flattened prompt-major: row i belongs to prompt i // n."""
     prompt_ids: list        # per prompt: token ids
     completion_ids: list    # per row: token ids, EOS included when the completion finished
-    logprobs: list  # per row: log-prob of each token under softmax(logits / T), the distribution
-                            # that sampled it (T = 0: raw); top-k / top-p not applied (RL uses
-                            # neither)
+    logprobs: list          # per row: log-prob of each token under softmax(logits / T), the
+                            # distribution that sampled it (T = 0: raw); top-k / top-p not
+                            # applied (RL uses neither)
     texts: list             # per row: decoded completion without EOS
     finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
 

@@ -153,8 +153,7 @@ def test_hf_sampler_stops_at_eos_and_respects_max_tokens(tiny):
     model, tok = tiny
     prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([1, 2], 3, "compact")]
     # point the EOS row of the (tied) head along the mean hidden state: EOS logit ~4, the rest ~0,
-    # so
-    # some rows finish and others run out of budget
+    # so some rows finish and others run out of budget
     model = M.build_tiny_model(tok)
     model.load_state_dict(tiny[0].state_dict())
     with torch.no_grad():
