@@ -47,8 +47,9 @@ def prepare_run(output_dir, resume="", overwrite=False):
             raise CountdownError(f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
                                  f"--resume {output_dir} to continue it, or another --output_dir")
         shutil.rmtree(os.path.join(output_dir, "state"), ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(output_dir, "metrics.jsonl"))
+        for name in ("metrics.jsonl", "probe.jsonl"):  # probe.jsonl: curriculum.probe's
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(output_dir, name))
     return output_dir
 
 

@@ -123,15 +123,32 @@ class VerifierRLArgs(RLArgs):
                                    "claiming success falsely (docs/arithmetic.md)")
 
 
+@dataclasses.dataclass
+class CurriculumArgs(VerifierRLArgs):
+    """Verifier RL that chooses its problems by difficulty: rloo and grpo (curriculum.py)."""
+    curriculum: str = arg("none", "none | tiers (001 Alg. 1: success-gated tiers by operand count, "
+                                  "then target) | filter (002 §5.2: only problems the init solves "
+                                  "sometimes, by a probe)")
+    curriculum_bins: int = arg(3, "tiers: target bins per operand count")
+    curriculum_window: int = arg(10, "tiers: W, the steps of rollout accuracy averaged (001 gives "
+                                     "no value)")
+    curriculum_threshold: float = arg(0.6, "tiers: τ, the window's mean accuracy that unlocks the "
+                                           "next tier (001 gives no value)")
+    probe_problems: int = arg(1024, "filter (and grpo's --adaptive_temperature): the first N train "
+                                    "problems the init is probed on; training draws from these")
+    probe_samples: int = arg(4, "samples of the init per probed problem, at --temperature")
+
+
 def check_choice(flag, value, choices):
     """One line naming the choices when a flag's value is not one of them."""
     if value not in choices:
         raise CountdownError(f"--{flag} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
 
 
-def check_rl_args(group_size, reward="sparse"):
+def check_rl_args(group_size, reward="sparse", curriculum="none"):
     """One-line errors for the RL flags every script checks the same way."""
     check_choice("reward", reward, ("sparse", "dense"))
+    check_choice("curriculum", curriculum, ("none", "tiers", "filter"))
     if group_size < 2:
         raise CountdownError("--group_size must be at least 2: the advantage compares rollouts of one prompt")
 

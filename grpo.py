@@ -14,8 +14,10 @@ KL(π_θ ‖ π_ref) as Eq. 1 writes it; --no-kl_ratio is DeepSeekMath's plain k
 of KL(π_ref ‖ π_θ). Defaults are 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5); 004's
 values are in each --help. Departures from the papers:
   1. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts
-     from the second pass over a batch on. Only 002's temperature of its exploration knobs is here.
-  2. No LoRA (002 trains rank 8): full fine-tuning.
+     from the second pass over a batch on.
+  2. Full fine-tuning unless --lora_rank (002 trains rank 8). 002's exploration knobs are flags:
+     --bottom_p and --adaptive_temperature (§5.2); its filter and 001's tiers are --curriculum.
+     Bottom-p samples off-policy: π_old in ρ stays softmax(logits / T), as 002 computes it.
   3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 2e-4, β 0.04, 20 steps,
      and a wrong answer rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for a false "found".
 
@@ -23,14 +25,16 @@ Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --ou
 CPU (embedded): the `grpo` stage of run_cpu.sh, which prints its exact command.
 """
 import copy
+import os
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from checkpoints import prepare_run
-from common import (VerifierRLArgs, arg, autocast, check_choice, check_rl_args, cli, parse_args,
-                    seed_everything)
+from common import (CountdownError, CurriculumArgs, arg, autocast, check_choice, check_rl_args, cli,
+                    parse_args, seed_everything)
+from curriculum import make_curriculum, probe
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
@@ -39,7 +43,7 @@ from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
 @dataclass
-class Args(VerifierRLArgs):
+class Args(CurriculumArgs):
     # shared, with this script's defaults (002 §5.1's Countdown recipe; 004 Table 6 in the help)
     init: str = arg("out/sft",
                     "checkpoint to start from (the SFT model); also the frozen reference")
@@ -80,6 +84,14 @@ class Args(VerifierRLArgs):
                                  "6: 32)")
     ref_sync_mix: float = arg(0.9,
                               "π_ref ← mix · π_θ + (1 − mix) · π_ref at a sync (004 Table 6: 0.9)")
+    # exploration (002 §5.2)
+    bottom_p: float = arg(1.0, "sample from the bottom p of the mass: drop the most likely tokens "
+                               "holding 1 − p, after T (002 Table 2: 0.9; 1: off; --backend hf)")
+    bottom_p_freq: float = arg(1.0, "chance that bottom-p cuts a given token (002: 'with some "
+                                    "frequency', not given)")
+    adaptive_temperature: str = arg("", "EASY,HARD: per-problem T by a probe of the init, EASY "
+                                        "where it solves half its samples (002 §5.2: 0.6,1.5); "
+                                        "empty: --temperature for all")
 
 
 def grpo_advantages(reward, scale=True, eps=1e-4):
@@ -126,10 +138,25 @@ def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
     return (per_token * mask).sum() / (n_rows * max_len)                               # constant
 
 
+def parse_temperatures(adaptive, backend, bottom_p):
+    """--adaptive_temperature as (T_easy, T_hard), or () when off; one line for what cannot run."""
+    if bottom_p < 1 and backend != "hf":
+        raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
+    try:
+        temps = tuple(float(x) for x in adaptive.split(",")) if adaptive else ()
+    except ValueError:
+        temps = None
+    if temps is None or len(temps) not in (0, 2) or any(t <= 0 for t in temps or ()):
+        raise CountdownError("--adaptive_temperature must be EASY,HARD (e.g. 0.6,1.5), not "
+                             f"{adaptive!r}")
+    return temps
+
+
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward)
+    check_rl_args(args.group_size, args.reward, args.curriculum)
     check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
+    T_easy_hard = parse_temperatures(args.adaptive_temperature, args.backend, args.bottom_p)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
@@ -144,12 +171,24 @@ def main(argv=None):
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
               **args.run_options(output_dir))
+    if args.curriculum == "filter" or T_easy_hard:  # 002 §5.2: the init's solve rate per problem
+        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
+                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
+                      step_seed(args.seed, 0), os.path.join(output_dir, "probe.jsonl"))
+    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,
+                                 args.curriculum_window, args.curriculum_threshold,
+                                 run.extra.get("curriculum"))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----
-        batch = run.next_tasks(tasks, B)
-        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
-                      args.temperature, args.max_response_len, step_seed(args.seed, step))
+        batch = run.next_tasks(tasks, B, curriculum.pool())
+        T = args.temperature  # 002 §5.2: explore what the init fails, exploit what it solves
+        if T_easy_hard:
+            T = [T_easy_hard[t["solve_rate"] < 0.5] for t in batch]
+        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, T,
+                      args.max_response_len, step_seed(args.seed, step), args.bottom_p,
+                      args.bottom_p_freq)
+        T_rows = torch.tensor(T).repeat_interleave(G) if T_easy_hard else T         # (B*G,)
         run.sampled()
         # ---- score and advantage ----
         scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
@@ -165,11 +204,11 @@ def main(argv=None):
             for i, (rows, ids, attn, mask, old_logp) in enumerate(mbs):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
-                    st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
+                    T_mb = T_rows[rows] if T_easy_hard else T  # the rollouts' temperatures
+                    st = token_stats(model, ids, attn, mask, T_mb, entropy=True)
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
-                            ref_logps[i] = token_stats(ref, ids, attn, mask,
-                                                       temperature=args.temperature)["logp"]
+                            ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb)["logp"]
                 per_token, parts = grpo_loss(st["logp"], old_logp, ref_logps.get(i),
                                              adv[rows].to(device), args.beta, args.epsilon,
                                              args.epsilon_high, args.kl_ratio)
@@ -187,8 +226,9 @@ def main(argv=None):
             # 004: a slowly moving reference, not a frozen one
             mix_reference(ref, model, args.ref_sync_mix)
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(args.num_iterations), **rollout_metrics(ro, scores, reward, adv)}
-        run.end_step(step, metrics)
+        metrics = {**stats.metrics(args.num_iterations), **rollout_metrics(ro, scores, reward, adv),
+                   **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
+        run.end_step(step, metrics, curriculum=curriculum.state())
     run.close()
     return model, ref
 

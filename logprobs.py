@@ -58,10 +58,11 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
                 teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None):
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
-    `temperature`; with a `teacher`, forward KL (B, T-1) at `kd_temperature` over the shared
-    vocab (Qwen pads 151,936 vs 152,064: cut to the smaller); the teacher reads `teacher_inputs`
-    = (input_ids, attention_mask) of the same (B, T) shape if given (another context, left-padded
-    so the scored tokens line up: RoPE only sees relative positions), else the same tokens.
+    `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
+    at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs 152,064: cut to the
+    smaller); the teacher reads `teacher_inputs` = (input_ids, attention_mask) of the same (B, T)
+    shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
+    relative positions), else the same tokens.
     `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
     positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
     with the chunk, not B x T x V, in forward and (checkpointed) backward."""
@@ -70,6 +71,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
                                  attention_mask=attention_mask).last_hidden_state
     h = hidden[:, :-1][sel]                                                              # (N, H)
     targets = input_ids[:, 1:][sel]                                                      # (N,)
+    if torch.is_tensor(temperature):  # one per row (grpo's --adaptive_temperature)
+        temperature = temperature.to(h.device)[:, None].expand(sel.shape)[sel][:, None]  # (N, 1)
     weight = model.get_output_embeddings().weight                                        # (V, H)
     t_h = t_weight = None
     if teacher is not None:
@@ -84,7 +87,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     outs = []
     for s in range(0, h.shape[0], chunk_size):
         c = slice(s, s + chunk_size)
-        args = (h[c], weight, targets[c], temperature, entropy, None if t_h is None else t_h[c],
+        T = temperature[c] if torch.is_tensor(temperature) else temperature
+        args = (h[c], weight, targets[c], T, entropy, None if t_h is None else t_h[c],
                 t_weight, kd_temperature)
         outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
     def cat(k):

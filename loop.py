@@ -129,6 +129,7 @@ class Run:
         if resume:
             self.start, self.extra = load_state(output_dir, model, opt, sched, self.rng, ref)
         self.order, self.skipped = self.extra.get("order", []), self.extra.get("skipped", 0)
+        self.pool_size = self.extra.get("pool_size")  # the pool `order` shuffles
         self.grad_norms = []  # this step's (GRPO makes several)
         self.log = Logger(output_dir, total_steps, config, wandb_project, self.start)
 
@@ -142,17 +143,19 @@ class Run:
                 warmup_lr(self.opt, self.lr, step, self.warmup_steps)
             yield step
 
-    def next_indices(self, n_items, k):
-        """The next k of a shuffled order of range(n_items), reshuffled when fewer than k are left;
-        and whether it was reshuffled (a new epoch)."""
-        new_epoch = len(self.order) < k
+    def next_indices(self, pool, k):
+        """The next k of a shuffled order of `pool` (task indices), reshuffled when fewer than k
+        are left or the pool has changed (a curriculum's new tier); and whether it was reshuffled
+        (a new epoch)."""
+        new_epoch = len(self.order) < k or len(pool) != self.pool_size
         if new_epoch:
-            self.order = self.rng.sample(range(n_items), n_items)
+            self.order, self.pool_size = self.rng.sample(pool, len(pool)), len(pool)
         idx, self.order = self.order[:k], self.order[k:]
         return idx, new_epoch
 
-    def next_tasks(self, tasks, n):
-        return [tasks[i] for i in self.next_indices(len(tasks), n)[0]]
+    def next_tasks(self, tasks, n, pool=None):
+        """The next n tasks, drawn from `pool` (indices into tasks; default all of them)."""
+        return [tasks[i] for i in self.next_indices(pool or range(len(tasks)), n)[0]]
 
     def sampled(self):
         """Mark the end of the step's sampling (time/sample)."""
@@ -190,7 +193,8 @@ class Run:
         self.log.log(step, metrics)
         if step == self.total or step % self.save_every == 0:
             save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng, self.ref,
-                       order=self.order, skipped=self.skipped, **extra)
+                       order=self.order, pool_size=self.pool_size, skipped=self.skipped,
+                       **extra)
 
     def close(self):
         self.log.close()

@@ -12,6 +12,7 @@ Departures from the paper:
      plain k3). With the HF sampler μ *is* the policy, so w = 1 and the term is ~0; it acts with
      vLLM's snapshot or a slower sync.
   2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
+     --curriculum: paper 001's success-gated tiers (Algorithm 1) or paper 002's filter.
   3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 2e-4, 20 steps, and a wrong
      answer rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for a false "found"
      (docs/arithmetic.md).
@@ -20,13 +21,15 @@ Real (1×H100, the paper's recipe = the defaults):
   python rloo.py --init out/sft --backend vllm --output_dir out/rloo
 CPU (embedded): the `rloo` stage of run_cpu.sh, which prints its exact command.
 """
+import os
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from checkpoints import prepare_run
-from common import VerifierRLArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
+from common import CurriculumArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
+from curriculum import make_curriculum, probe
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
@@ -35,7 +38,7 @@ from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
 @dataclass
-class Args(VerifierRLArgs):
+class Args(CurriculumArgs):
     # shared, with this script's defaults (000 Table 5)
     init: str = arg("out/sft", "checkpoint to start from (the SFT model)")
     output_dir: str = arg("out/rloo", "where the checkpoint, args.json and metrics.jsonl go")
@@ -98,7 +101,7 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward)
+    check_rl_args(args.group_size, args.reward, args.curriculum)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
@@ -110,10 +113,17 @@ def main(argv=None):
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
+    if args.curriculum == "filter":  # 002 §5.2: the init's solve rate on the first N problems
+        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
+                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
+                      step_seed(args.seed, 0), os.path.join(output_dir, "probe.jsonl"))
+    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,
+                                 args.curriculum_window, args.curriculum_threshold,
+                                 run.extra.get("curriculum"))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
-        batch = run.next_tasks(tasks, B)
+        batch = run.next_tasks(tasks, B, curriculum.pool())
         ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
                       args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
@@ -140,7 +150,9 @@ def main(argv=None):
             stats.sampler_gap(st["logp"], old_logp, m)
         # ---- optimizer step, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
-        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv)})
+        metrics = {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv),
+                   **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
+        run.end_step(step, metrics, curriculum=curriculum.state())
     run.close()
     return model
 

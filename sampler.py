@@ -34,8 +34,11 @@ class Rollouts:
     finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
 
 
-def _filter_logits(logits, temperature, top_k, top_p):
-    """Temperature, then top-k, then top-p (nucleus), as vLLM applies them. (N, V) -> (N, V)."""
+def _filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None):
+    """Temperature, then top-k, then top-p (nucleus), as vLLM applies them; then paper 002 §5.2's
+    bottom-p on the rows `explore` (N,) marks (None: all): the mirror of top-p, it drops the most
+    likely tokens that together hold at most 1 − bottom_p of what top-p kept. The token that
+    crosses that mass always stays, so at least one does. (N, V) -> (N, V)."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, -1).values[:, -1:]
@@ -45,6 +48,12 @@ def _filter_logits(logits, temperature, top_k, top_p):
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    if bottom_p < 1.0:
+        sorted_logits, idx = logits.sort(-1, descending=True)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - bottom_p  # (N, V) the head to cut
+        if explore is not None:
+            drop &= explore[:, None]
+        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
 
@@ -75,7 +84,9 @@ class HFSampler:
     wake = sleep
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0,
+                 bottom_p=1.0, bottom_p_freq=1.0):
+        """`bottom_p` < 1: paper 002's bottom-p on each token with probability `bottom_p_freq`."""
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
         gen = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -84,13 +95,14 @@ class HFSampler:
         out_ids, out_lp, finished = [], [], []
         for s in range(0, len(rows), self.batch_size):
             for acc, new in zip((out_ids, out_lp, finished), self._batch(rows[s:s + self.batch_size], temperature, top_p,
-                                                                        top_k, max_new_tokens, gen)):
+                                                                        top_k, max_new_tokens, gen,
+                                                                        bottom_p, bottom_p_freq)):
                 acc += new
         self.model.train(was_training)
         texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id] for ids in out_ids])
         return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
 
-    def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen):
+    def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p, bottom_p_freq):
         eos, dev = self.tok.eos_token_id, self.model.device
         P = max(map(len, rows))
         ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)  # (b, P)
@@ -113,7 +125,10 @@ class HFSampler:
             if temperature == 0:
                 tok = logits.argmax(-1)
             else:
-                tok = _sample(_filter_logits(logits, temperature, top_k, top_p), gen)
+                explore = None  # which rows cut their head this token (drawn only if bottom-p is on)
+                if bottom_p < 1.0:
+                    explore = torch.rand(len(logits), generator=gen, device=dev) < bottom_p_freq
+                tok = _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
             rows_t = live[active]
             toks[rows_t, t] = tok[active]
             # the trainer's token_stats(temperature=T)
@@ -195,8 +210,11 @@ class VLLMSampler:
             self.llm.wake_up()
             self.asleep = False
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0,
+                 bottom_p=1.0, bottom_p_freq=1.0):
         from vllm import SamplingParams
+        if bottom_p < 1.0:
+            raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
         if self.asleep:
             raise CountdownError("generate() on a sleeping vLLM engine: call wake() first")
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
@@ -244,17 +262,38 @@ def micro_batches(ro, size, pad_id, device):
         yield (rows, *(x.to(device) for x in rollout_batch(ro, rows, pad_id)))
 
 
-def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature, max_new_tokens, seed):
+def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature, max_new_tokens, seed,
+             bottom_p=1.0, bottom_p_freq=1.0):
     """n completions for each task's prompt from `sampler` after syncing it to `model`, at
-    `temperature` with top_p 1 and no top_k (the RL scripts' sampling)."""
+    `temperature` (one for all, or a list: one per task, paper 002's per-example temperature)
+    with top_p 1 and no top_k (the RL scripts' sampling), and paper 002's bottom-p if asked."""
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
     if max(len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]) > max_prompt_len:
         raise CountdownError(f"a prompt is longer than --max_prompt_len {max_prompt_len}")
+    temps = temperature if isinstance(temperature, list) else [temperature] * len(tasks)
+    explore = dict(bottom_p=bottom_p, bottom_p_freq=bottom_p_freq) if bottom_p < 1 else {}
     sampler.wake()
     sampler.sync(model)
-    ro = sampler.generate(prompts, n, temperature, 1.0, 0, max_new_tokens, seed)
+    parts, rows = [], 0  # (task indices, their Rollouts): one generate call per temperature
+    for T in sorted(set(temps)):
+        idx = [i for i, t in enumerate(temps) if t == T]
+        # seeds past the earlier calls' rows: vLLM seeds row k of prompt i with seed + i·n + k
+        parts.append((idx, sampler.generate([prompts[i] for i in idx], n, T, 1.0, 0, max_new_tokens,
+                                            seed + rows, **explore)))
+        rows += len(idx) * n
     sampler.sleep()  # vLLM hands its GPU memory back for the update
-    return ro
+    return parts[0][1] if len(parts) == 1 else _merge(parts, len(tasks), n)
+
+
+def _merge(parts, n_prompts, n):
+    """Rollouts of disjoint task subsets back into one, prompt-major in task order."""
+    out = Rollouts([None] * n_prompts, *([None] * (n_prompts * n) for _ in range(4)))
+    for idx, ro in parts:
+        for k, i in enumerate(idx):
+            out.prompt_ids[i] = ro.prompt_ids[k]
+            for field in ("completion_ids", "logprobs", "texts", "finished"):
+                getattr(out, field)[i * n:(i + 1) * n] = getattr(ro, field)[k * n:(k + 1) * n]
+    return out
 
 
 def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):

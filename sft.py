@@ -166,7 +166,7 @@ def main(argv=None):
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     for step in run.steps():
         # ---- batch: a fresh shuffle (and, for generated data, fresh traces) every epoch ----
-        idx, new_epoch = run.next_indices(len(prompts), args.batch_size)
+        idx, new_epoch = run.next_indices(range(len(prompts)), args.batch_size)
         if new_epoch:
             responses = write_responses(run.rng)
         mbs = list(batches([prompts[i] for i in idx], [responses[i] for i in idx]))
