@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers import get_cosine_schedule_with_warmup
+from transformers import (get_cosine_schedule_with_warmup,
+                          get_cosine_with_min_lr_schedule_with_warmup)
 
 from checkpoints import prepare_run
 from common import CountdownError, TrainArgs, arg, autocast, cli, parse_args, seed_everything
@@ -31,7 +32,8 @@ from data import load_records, load_tasks, make_prompt
 from evaluate import eval_metrics
 from logprobs import token_stats, tokenize_pairs
 from loop import Run, StepStats, load_policy
-from verifier import arith_text, make_trace
+from rlt import teacher_prompt
+from verifier import arith_text, extract_answer, make_trace
 
 
 @dataclass
@@ -40,9 +42,11 @@ class Args(TrainArgs):
     init: str = arg("Qwen/Qwen2.5-0.5B",
                     "model to fine-tune: hub name, checkpoint dir, or `tiny` (from scratch)")
     data: str = arg("Asap7772/cog_behav_all_strategies", "SFT data: hub/JSONL with "
-                                                         "query+completion, gen[:...] traces, or "
+                                                         "query+completion, gen[:...] traces, "
                                                          "arith[:...] plain arithmetic over those "
-                                                         "problems' numbers (the base stage)")
+                                                         "problems' numbers (the base stage), or "
+                                                         "rlt[:...] traces in RLT's teacher format "
+                                                         "(004 §A.1)")
     output_dir: str = arg("out/sft", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for init, shuffling and sampling")
     template: str = arg("base", "prompt template for generated data and eval: base | compact")
@@ -60,6 +64,8 @@ class Args(TrainArgs):
     epochs: float = arg(6.0, "passes over the data (000 Table 4)")
     max_steps: int = arg(0, "stop after this many optimizer steps instead (0: use epochs)")
     warmup: float = arg(0.05, "warmup fraction of the cosine schedule (000 Table 4)")
+    final_lr: float = arg(0.0, "the cosine schedule's last lr (000 Table 4: 0; 004 Table 5, the "
+                               "student recipe: 1e-6)")
     num_train: int = arg(0, "training problems: gen writes traces for this many (0: 20,000); a "
                             "dataset keeps its first rows (0: all)")
     dead_ends: float = arg(0.0, "gen data: mean number of abandoned tries before the one that "
@@ -84,11 +90,17 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
              fixed_traces=False, seed=0):
     """Prompts and a function rng -> responses: solver traces of generated problems (new ones each
     call: another solution path, other dead ends), plain arithmetic over their numbers (no
-    prompt: the whole text is the target, 4 random paths a row), or a dataset's fixed
-    query/completion pairs."""
+    prompt: the whole text is the target, 4 random paths a row), the same traces in RLT's
+    teacher format (`rlt:`), or a dataset's fixed query/completion pairs."""
     kind, _, spec = data.partition(":")
-    if kind in ("gen", "arith"):
+    if kind in ("gen", "arith", "rlt"):
         tasks = load_tasks("gen:" + spec, split, n or 20_000)
+        if kind == "rlt":  # 004 §A.1: RLT's teacher format, the solution in the prompt; its trace
+            rng = random.Random(seed)  # up to </think> is the explanation. One trace per problem
+            traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses) for t in tasks]
+            prompts = [teacher_prompt(t, extract_answer(x), template) for t, x in zip(tasks, traces)]
+            explanations = [x.split("</think>")[0] + "</think>" for x in traces]
+            return prompts, lambda rng: explanations
         if kind == "arith":
             nums = [t["nums"] for t in tasks]
             return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng)
@@ -157,7 +169,10 @@ def main(argv=None):
     steps_per_epoch = max(1, len(prompts) // args.batch_size)
     total = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
+    # cosine from lr down to final_lr (0: transformers' plain cosine)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(
+        opt, int(args.warmup * total), total, min_lr=args.final_lr) if args.final_lr else \
+        get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
     run = Run(output_dir, total, model, tok, opt,
               partial(evaluation, model, tok, val_batches, eval_fn), sched=sched, eval_first=False,
               **args.run_options(output_dir))

@@ -180,6 +180,28 @@ def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
     assert prompts == [D.make_prompt([3, 4, 5], 35, "compact")] and responses(None) == [completion]
 
 
+def test_rlt_sft_data_is_the_teacher_format_explaining_its_own_solution():
+    """004 §A.1: the teacher's SFT before RL sees the solution and learns to write the trace that
+    reaches it, up to </think>."""
+    prompts, responses = sft.sft_data("rlt:" + GEN.removeprefix("gen:"), "train", 6, "compact", 0, dead_ends=1)
+    tasks = D.load_tasks(GEN, "train", 6)
+    for task, prompt, expl in zip(tasks, prompts, responses(None)):
+        sol = prompt.split("<answer>")[-1].split("</answer>")[0]
+        assert prompt == rlt.teacher_prompt(task, sol, "compact") and expl.endswith("</think>")
+        assert expl.count("</think>") == 1 and "<answer>" not in expl
+        assert score(rlt.student_completion(expl.removesuffix("</think>"), sol), task["nums"], task["target"]) == 1.0
+
+
+def test_sft_cosine_ends_at_final_lr(tmp_path):
+    """004 Table 5's student recipe decays to 1e-6, not 0."""
+    sft.main(["--init", "tiny", "--data", "rlt:" + GEN.removeprefix("gen:"), "--eval_data", GEN, "--template",
+              "compact", "--eval_problems", "2", "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size",
+              "2", "--micro_batch", "2", "--max_steps", "4", "--warmup", "0.25", "--lr", "1e-4", "--final_lr", "1e-6",
+              "--output_dir", str(tmp_path)])
+    lrs = [json.loads(x)["train/lr"] for x in open(tmp_path / "metrics.jsonl")]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[-1] == pytest.approx(1e-6) and lrs[1] > lrs[2] > lrs[3]
+
+
 def test_opd_two_steps_in_a_subprocess(ckpts, tmp_path):
     r = subprocess.run([sys.executable, "opd.py", "--init", ckpts["student"], "--teacher", ckpts["teacher"], *FAST,
                         "--kd_temperature", "1.3", "--entropy_coef", "1e-2", "--temperature", "0.7", "--output_dir", str(tmp_path)],
