@@ -31,3 +31,7 @@ run grpo_adaptive grpo.py "${GRPO[@]}" --adaptive_temperature 0.6,1.5 "${PROBE[@
 run rloo_filter rloo.py --curriculum filter "${PROBE[@]}"
 run rloo_tiers rloo.py --curriculum tiers --curriculum_window 4 --curriculum_threshold 0.45
 run grpo_lora8 grpo.py "${GRPO[@]}" --lora_rank 8  # 002 §5's rank, at the full fine-tuning lr
+# after the first results: bottom-p 0.9 cuts nothing from this model (benchmarks/bottom_p_cut_rate.py), 0.5 cuts
+# at 4% of positions; and LoRA at the full fine-tuning lr hardly moves the policy, so 10x the lr
+run grpo_T1.0_bottom0.5 grpo.py "${GRPO[@]}" --temperature 1.0 --bottom_p 0.5
+run grpo_lora8_lr2e-3 grpo.py "${GRPO[@]}" --lora_rank 8 --lr 2e-3

@@ -23,7 +23,7 @@ def row(run):
             f"{mean(steps[:5], 'train/accuracy'):.2f} → {mean(steps[-5:], 'train/accuracy'):.2f}",
             f"{mean(steps, 'train/zero_adv_groups'):.3f}",
             f"{mean(steps[-5:], 'train/truncated'):.2f}",
-            f"{steps[-1]['train/curriculum_level']} / {steps[-1]['train/pool']}"
+            f"{steps[-1]['train/curriculum_level']:.0f} / {steps[-1]['train/pool']:.0f}"
             if "train/curriculum_level" in steps[-1] else "—",
             f"{sum(0 < r < 1 for r in rates)} of {len(rates)}" if rates else "—",
             open(wall).read().strip() if os.path.exists(wall) else "—"]
