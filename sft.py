@@ -97,8 +97,10 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
         tasks = load_tasks("gen:" + spec, split, n or 20_000)
         if kind == "rlt":  # 004 §A.1: RLT's teacher format, the solution in the prompt; its trace
             rng = random.Random(seed)  # up to </think> is the explanation. One trace per problem
-            traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses) for t in tasks]
-            prompts = [teacher_prompt(t, extract_answer(x), template) for t, x in zip(tasks, traces)]
+            traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses)
+                      for t in tasks]
+            prompts = [teacher_prompt(t, extract_answer(x), template)
+                       for t, x in zip(tasks, traces)]
             explanations = [x.split("</think>")[0] + "</think>" for x in traces]
             return prompts, lambda rng: explanations
         if kind == "arith":
