@@ -102,5 +102,5 @@ stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 
   --output_dir "$OUT/solver_student"
 
 # 10. Paper 000's Tables 1 and 2 for every stage, results.json and the plots
-echo "+ python evaluate.py --report $OUT"
-python evaluate.py --report "$OUT"
+echo "+ python report.py --run $OUT"
+python report.py --run "$OUT"

@@ -97,14 +97,14 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.load(open(out / "summary.json"))["pass_at_k"]["4"] >= 1 / 6
     png = tmp_path / "curves.png"
-    r = subprocess.run([sys.executable, "evaluate.py", "--plot", f"{out},{out}", "--out", str(png)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "report.py", "--plot", f"{out},{out}", "--out", str(png)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
-    """evaluate.py --report: results.json holds every stage's summary plus wall seconds, the tables
+    """report.py --run: results.json holds every stage's summary plus wall seconds, the tables
     list the stages in the pipeline's order (others after), and both PNGs are drawn from the RL
     stages' metrics."""
     def summary(p1):
@@ -122,7 +122,7 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
         (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{k: s / 10 for k in keys}}) + "\n"
                                                                for s in range(3)))
-    r = subprocess.run([sys.executable, "evaluate.py", "--report", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "report.py", "--run", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     res = json.load(open(tmp_path / "results.json"))
     assert list(res) == ["sft", "rloo", "rlt_student", "zzz_extra"]
@@ -133,9 +133,11 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     assert "3 nums@1" in table1 and "avg n" in r.stdout and "0.125  0.250" in table1
     for png in ("pass_at_k.png", "rl_curves.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    r = subprocess.run([sys.executable, "evaluate.py", "--report", str(tmp_path / "nothing")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "report.py", "--run", str(tmp_path / "nothing")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode != 0 and "run ./run_cpu.sh" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "report.py"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "give one of --run" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_search_probe_counts_tries_aim_and_repeats_by_hand():
