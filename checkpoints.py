@@ -39,13 +39,15 @@ def prepare_run(output_dir, resume="", overwrite=False):
     appends to."""
     if resume:
         if not latest_state(resume):
-            raise CountdownError(f"--resume {resume}: no saved training state in {resume}/state "
-                                 "(runs save one every --save_every steps); start it again with --overwrite")
+            raise CountdownError(
+                f"--resume {resume}: no saved training state in {resume}/state "
+                "(runs save one every --save_every steps); start it again with --overwrite")
         return resume
     if os.path.isdir(output_dir) and os.listdir(output_dir):
         if not overwrite:
-            raise CountdownError(f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
-                                 f"--resume {output_dir} to continue it, or another --output_dir")
+            raise CountdownError(
+                f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
+                f"--resume {output_dir} to continue it, or another --output_dir")
         shutil.rmtree(os.path.join(output_dir, "state"), ignore_errors=True)
         for name in ("metrics.jsonl", "probe.jsonl"):  # probe.jsonl: curriculum.probe's
             with contextlib.suppress(FileNotFoundError):
@@ -55,7 +57,8 @@ def prepare_run(output_dir, resume="", overwrite=False):
 
 def latest_state(output_dir):
     root = os.path.join(output_dir, "state")
-    steps = sorted(n for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
+    names = os.listdir(root) if os.path.isdir(root) else []
+    steps = sorted(n for n in names if n.startswith("step_"))
     return os.path.join(root, steps[-1]) if steps else None
 
 
@@ -66,10 +69,11 @@ def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, **e
     root = os.path.join(output_dir, "state")
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict() if sched else None, "python_rng": random.getstate(),
-                "torch_rng": torch.get_rng_state(), "rng": rng.getstate() if rng else None,
-                "ref": None if ref is None else ref.state_dict(), "extra": extra}, os.path.join(tmp, "state.pt"))
+    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict() if sched else None, "python_rng": random.getstate(),
+             "torch_rng": torch.get_rng_state(), "rng": rng.getstate() if rng else None,
+             "ref": None if ref is None else ref.state_dict(), "extra": extra}
+    torch.save(state, os.path.join(tmp, "state.pt"))
     final = os.path.join(root, f"step_{step:07d}")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -106,6 +110,7 @@ def step_is_finite(step, loss, grad_norm, skip_nonfinite, output_dir):
         return False
     last = latest_state(output_dir) or "none yet (lower --save_every)"
     what = "loss" if not math.isfinite(loss) else "gradient"
-    raise CountdownError(f"non-finite {what} at step {step} (loss {loss}, grad norm {float(grad_norm)}): stopped. "
-                         f"Last good state: {last}. Continue with --resume {output_dir} and a lower --lr, "
-                         "or pass --skip_nonfinite to drop such steps")
+    raise CountdownError(
+        f"non-finite {what} at step {step} (loss {loss}, grad norm {float(grad_norm)}): stopped. "
+        f"Last good state: {last}. Continue with --resume {output_dir} and a lower --lr, "
+        "or pass --skip_nonfinite to drop such steps")

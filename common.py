@@ -26,7 +26,8 @@ def arg(default, help):
 
 
 def parse_args(cls, argv=None):
-    """argparse from an Args dataclass: `--foo_bar` and `--foo-bar` both work, bools get --x/--no-x."""
+    """argparse from an Args dataclass: `--foo_bar` and `--foo-bar` both work, bools get
+    --x/--no-x."""
     doc = (sys.modules[cls.__module__].__doc__ or "").strip()
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +143,8 @@ class CurriculumArgs(VerifierRLArgs):
 def check_choice(flag, value, choices):
     """One line naming the choices when a flag's value is not one of them."""
     if value not in choices:
-        raise CountdownError(f"--{flag} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
+        raise CountdownError(
+            f"--{flag} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
 
 
 def check_rl_args(group_size, reward="sparse", curriculum="none"):
@@ -150,7 +152,8 @@ def check_rl_args(group_size, reward="sparse", curriculum="none"):
     check_choice("reward", reward, ("sparse", "dense"))
     check_choice("curriculum", curriculum, ("none", "tiers", "filter"))
     if group_size < 2:
-        raise CountdownError("--group_size must be at least 2: the advantage compares rollouts of one prompt")
+        raise CountdownError(
+            "--group_size must be at least 2: the advantage compares rollouts of one prompt")
 
 
 def cli(main):
@@ -180,7 +183,9 @@ def cpu_bf16():
     reproduces the fp32 numbers)."""
     if os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1"):
         return os.environ["COUNTDOWN_CPU_BF16"] == "1"
-    return any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(
+        getattr(torch.cpu, f, lambda: False)()
+        for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def trains_in_bf16(device):
@@ -211,8 +216,9 @@ def autocast(device, *models):
 
 
 # ---- logging -------------------------------------------------------------------------------------
-CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc", "train/token_acc": "tok_acc",
-           "eval/loss": "eval_loss", "eval/pass@1": "pass@1", "train/resp_len": "len", "time/step": "s"}
+CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc",
+           "train/token_acc": "tok_acc", "eval/loss": "eval_loss", "eval/pass@1": "pass@1",
+           "train/resp_len": "len", "time/step": "s"}
 
 
 class Logger:
@@ -223,13 +229,15 @@ class Logger:
         os.makedirs(output_dir, exist_ok=True)
         # the run's arguments, and the precision its training forwards compute in
         if config is not None:
-            config = {**config, "train_compute": "bf16" if trains_in_bf16(device_and_dtype()[0]) else "fp32"}
+            compute = "bf16" if trains_in_bf16(device_and_dtype()[0]) else "fp32"
+            config = {**config, "train_compute": compute}
             with open(os.path.join(output_dir, "args.json"), "w") as f:
                 json.dump(config, f, indent=1)
         path = os.path.join(output_dir, "metrics.jsonl")
         # resumed: drop what was logged after the restored state
         if start_step and os.path.isfile(path):
-            keep = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= start_step]
+            keep = [line for line in open(path)
+                    if line.strip() and json.loads(line)["step"] <= start_step]
             open(path, "w").writelines(keep)
         self.file = open(path, "a")
         self.total, self.t0 = total_steps, time.time()
@@ -241,7 +249,8 @@ class Logger:
 
     def log(self, step, metrics):
         metrics = {k: float(v) for k, v in metrics.items()}
-        self.file.write(json.dumps({"step": step, "wall": round(time.time() - self.t0, 2), **metrics}) + "\n")
+        row = {"step": step, "wall": round(time.time() - self.t0, 2), **metrics}
+        self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb:
             self.wandb.log(metrics, step=step)

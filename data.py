@@ -13,13 +13,13 @@ from common import CountdownError
 # same assistant prefix but drops the preamble: with the embedded tokenizer it halves the prompt
 # length.
 TEMPLATES = {
-    "base": "A conversation between User and Assistant. The user asks a question, and the Assistant "
-            "solves it. The assistant first thinks about the reasoning process in the mind and then "
-            "provides the user with the answer.\nUser: Using the numbers {nums}, create an equation "
-            "that equals {target}. You can use basic arithmetic operations (+, -, *, /) and each number "
-            "can only be used once. Show your work in <think> </think> tags. And return the final "
-            "answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.\n"
-            "Assistant: Let me solve this step by step.\n<think>",
+    "base": "A conversation between User and Assistant. The user asks a question, and the "
+            "Assistant solves it. The assistant first thinks about the reasoning process in the "
+            "mind and then provides the user with the answer.\nUser: Using the numbers {nums}, "
+            "create an equation that equals {target}. You can use basic arithmetic operations "
+            "(+, -, *, /) and each number can only be used once. Show your work in <think> "
+            "</think> tags. And return the final answer in <answer> </answer> tags, for example "
+            "<answer> (1 + 2) / 3 </answer>.\nAssistant: Let me solve this step by step.\n<think>",
     "compact": "User: Using the numbers {nums}, create an equation that equals {target}.\n"
                "Assistant: Let me solve this step by step.\n<think>",
 }
@@ -61,10 +61,12 @@ def load_records(source, split, required):
         ds = datasets.load_dataset(source, split=split)
     # unknown name, no such split, no access: all end the same way for a user
     except Exception as e:
-        raise CountdownError(f"could not load dataset '{source}' split '{split}' ({type(e).__name__}: {e}).{hint}") from None
+        raise CountdownError(f"could not load dataset '{source}' split '{split}' "
+                             f"({type(e).__name__}: {e}).{hint}") from None
     missing = [k for k in required if k not in ds.column_names]
     if missing:
-        raise CountdownError(f"dataset '{source}' has no column(s) {missing}; it has {ds.column_names}")
+        raise CountdownError(
+            f"dataset '{source}' has no column(s) {missing}; it has {ds.column_names}")
     return list(ds)
 
 
@@ -77,11 +79,13 @@ def check_hub(what, hint):
     try:
         socket.create_connection((host, 443), timeout=5).close()
     except OSError:
-        raise CountdownError(f"cannot reach {host} to fetch {what} (offline? if it is in your HF cache, "
-                             f"set HF_HUB_OFFLINE=1).{hint}") from None
+        raise CountdownError(
+            f"cannot reach {host} to fetch {what} (offline? if it is in your HF cache, "
+            f"set HF_HUB_OFFLINE=1).{hint}") from None
 
 
-GEN_DEFAULTS = {"nums": "3-4", "range": "1-99", "target": "10-100", "test": "500", "val": "200", "seed": "0"}
+GEN_DEFAULTS = {"nums": "3-4", "range": "1-99", "target": "10-100", "test": "500", "val": "200",
+                "seed": "0"}
 HUB_HELD_OUT = 1000  # Countdown-Tasks-3to4 has only a train split: its last rows are our val + test
 
 
@@ -98,11 +102,15 @@ def load_tasks(data, split, n=None):
         try:
             kv = dict(GEN_DEFAULTS, **dict(item.split("=") for item in data[4:].split(",") if item))
             assert set(kv) == set(GEN_DEFAULTS)
-            span = {k: (int(kv[k].split("-")[0]), int(kv[k].split("-")[-1])) for k in ("nums", "range", "target")}
+            span = {
+                k: (int(kv[k].split("-")[0]), int(kv[k].split("-")[-1]))
+                for k in ("nums", "range", "target")
+            }
             sizes = {"test": int(kv["test"]), "val": int(kv["val"]), "train": n or 10_000}
         except (ValueError, AssertionError):
-            raise CountdownError(f"bad --data '{data}': expected gen:key=value,... with keys {sorted(GEN_DEFAULTS)} "
-                                 "and spans like nums=3-4 or nums=3") from None
+            raise CountdownError(
+                f"bad --data '{data}': expected gen:key=value,... with keys {sorted(GEN_DEFAULTS)} "
+                "and spans like nums=3-4 or nums=3") from None
         # don't generate what isn't asked
         sizes = dict(list(sizes.items())[: list(sizes).index(split) + 1])
         rows = verifier.generate_splits(sizes, int(kv["seed"]),
@@ -116,7 +124,8 @@ def load_tasks(data, split, n=None):
     for i, r in enumerate(rows, 1):
         if not (isinstance(r["nums"], list) and r["nums"] and
                 all(type(x) is int for x in r["nums"]) and type(r["target"]) is int):
-            raise CountdownError(f"{data} row {i}: nums must be a list of ints and target an int, got {r['nums']!r}, {r['target']!r}")
+            raise CountdownError(f"{data} row {i}: nums must be a list of ints and target an int, "
+                                 f"got {r['nums']!r}, {r['target']!r}")
     if not rows:
         raise CountdownError(f"no tasks in {data} ({split})")
     return [{"nums": list(r["nums"]), "target": r["target"]} for r in rows[:n]]

@@ -29,7 +29,8 @@ def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_respon
     R = tokenizer(responses, add_special_tokens=False)["input_ids"]
     too_long = [len(p) for p in P if len(p) > max_prompt_len]
     if too_long:
-        raise CountdownError(f"a prompt has {max(too_long)} tokens but --max_prompt_len is {max_prompt_len}")
+        raise CountdownError(
+            f"a prompt has {max(too_long)} tokens but --max_prompt_len is {max_prompt_len}")
     R = [(r + [tokenizer.eos_token_id])[:max_response_len] for r in R]
     return pack(P, R, tokenizer.pad_token_id)
 
@@ -90,7 +91,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
         T = temperature[c] if torch.is_tensor(temperature) else temperature
         args = (h[c], weight, targets[c], T, entropy, None if t_h is None else t_h[c],
                 t_weight, kd_temperature)
-        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute else _chunk_stats(*args))
+        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute
+                    else _chunk_stats(*args))
     def cat(k):
         return torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
     return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))

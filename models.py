@@ -27,14 +27,20 @@ def build_tiny_tokenizer(vocab_size=384):
     for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25),
                                          target_range=(1, 200))["x"]:
         for template in TEMPLATES:
-            corpus.append(make_prompt(task["nums"], task["target"], template) + verifier.make_trace(task["nums"], task["target"], rng, 2.0))
+            corpus.append(
+                make_prompt(task["nums"], task["target"], template)
+                + verifier.make_trace(task["nums"], task["target"], rng, 2.0))
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r" ?[0-9]"), "isolated"),  # " 12" -> " 1", "2"
+    # " 12" -> " 1", "2": a digit is a token, with its leading space
+    digits = pre_tokenizers.Split(Regex(r" ?[0-9]"), "isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([digits,
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|pad|>"]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
     # pad != eos on purpose: a mask built from `ids != pad` would then never drop the real EOS.
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
@@ -64,18 +70,20 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
         return build_tiny_model(tokenizer, **tiny_overrides).to(device, dtype), tokenizer
     if os.path.exists(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
-            raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the --output_dir of a finished run")
+            raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the "
+                                 "--output_dir of a finished run")
     elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
         raise CountdownError(f"no such checkpoint dir: {name}")
-    hint = "" if os.path.exists(name) else (" The embedded alternative needs no hub: the model `tiny`, "
-                                            "e.g. sft.py --init tiny (see README)")
+    hint = "" if os.path.exists(name) else (" The embedded alternative needs no hub: the model "
+                                            "`tiny`, e.g. sft.py --init tiny (see README)")
     if hint:
         check_hub(f"model '{name}'", hint)
     # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would
     # drop the tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed
     # one as saved.
     tok_cfg = os.path.join(name, "tokenizer_config.json")
-    plain = os.path.isfile(tok_cfg) and json.load(open(tok_cfg)).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    tok_class = json.load(open(tok_cfg)).get("tokenizer_class") if os.path.isfile(tok_cfg) else None
+    plain = tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast")
     try:
         tokenizer = (PreTrainedTokenizerFast if plain else AutoTokenizer).from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
@@ -89,7 +97,8 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
 
 def load_frozen(name, device, tok, policy_name):
     """A model that never trains (a teacher, a student): bf16 weights on a GPU halve its memory
-    (000: a 7B teacher beside a 0.5B student), fp32 on a CPU; it must share the policy's tokenizer."""
+    (000: a 7B teacher beside a 0.5B student), fp32 on a CPU; it must share the policy's
+    tokenizer."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, other_tok = load_model(name, device, dtype)
     check_same_tokenizer(tok, other_tok, policy_name, name)
@@ -100,5 +109,6 @@ def check_same_tokenizer(tok, other, name, other_name):
     """Token-level KL between two models needs one vocabulary (Qwen 0.5B and 7B share theirs; only
     the embedding padding differs, which token_stats cuts off)."""
     if tok.get_vocab() != other.get_vocab():
-        raise CountdownError(f"{name} and {other_name} have different tokenizers ({len(tok)} vs {len(other)} tokens): "
-                             "a token-level KL needs one vocabulary; train both from the same base (any `tiny` shares one)")
+        raise CountdownError(f"{name} and {other_name} have different tokenizers ({len(tok)} vs "
+                             f"{len(other)} tokens): a token-level KL needs one vocabulary; train "
+                             "both from the same base (any `tiny` shares one)")

@@ -47,7 +47,8 @@ def _filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None
         sorted_logits, idx = logits.sort(-1, descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            -1, idx, sorted_logits.masked_fill(drop, float("-inf")))
     if bottom_p < 1.0:
         sorted_logits, idx = logits.sort(-1, descending=True)
         drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - bottom_p  # (N, V) the head to cut
@@ -84,8 +85,8 @@ class HFSampler:
     wake = sleep
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0,
-                 bottom_p=1.0, bottom_p_freq=1.0):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0):
         """`bottom_p` < 1: paper 002's bottom-p on each token with probability `bottom_p_freq`."""
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
@@ -94,12 +95,13 @@ class HFSampler:
         self.model.eval()
         out_ids, out_lp, finished = [], [], []
         for s in range(0, len(rows), self.batch_size):
-            for acc, new in zip((out_ids, out_lp, finished), self._batch(rows[s:s + self.batch_size], temperature, top_p,
-                                                                        top_k, max_new_tokens, gen,
-                                                                        bottom_p, bottom_p_freq)):
+            for acc, new in zip((out_ids, out_lp, finished),
+                                self._batch(rows[s:s + self.batch_size], temperature, top_p, top_k,
+                                            max_new_tokens, gen, bottom_p, bottom_p_freq)):
                 acc += new
         self.model.train(was_training)
-        texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id] for ids in out_ids])
+        texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id]
+                                       for ids in out_ids])
         return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
 
     def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p, bottom_p_freq):
@@ -108,7 +110,8 @@ class HFSampler:
         ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)  # (b, P)
         attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
         b = len(rows)
         toks = torch.full((b, max_new_tokens), eos, device=dev)  # (b, L)
         lps = torch.zeros(b, max_new_tokens, device=dev)
@@ -121,14 +124,17 @@ class HFSampler:
             logits = out.logits[:, -1]  # (live, V)
             # a blown-up model: say so, not a sampling error
             if t == 0 and not torch.isfinite(logits).all():
-                raise CountdownError("the model's logits are not finite: its weights have blown up (too large an --lr?)")
+                raise CountdownError("the model's logits are not finite: its weights have "
+                                     "blown up (too large an --lr?)")
             if temperature == 0:
                 tok = logits.argmax(-1)
             else:
-                explore = None  # which rows cut their head this token (drawn only if bottom-p is on)
+                # which rows cut their head this token (drawn only if bottom-p is on)
+                explore = None
                 if bottom_p < 1.0:
                     explore = torch.rand(len(logits), generator=gen, device=dev) < bottom_p_freq
-                tok = _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
+                tok = _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore),
+                              gen)
             rows_t = live[active]
             toks[rows_t, t] = tok[active]
             # the trainer's token_stats(temperature=T)
@@ -142,14 +148,16 @@ class HFSampler:
             if active.sum() <= 0.75 * len(live):
                 keep = active.nonzero()[:, 0]
                 out.past_key_values.batch_select_indices(keep)
-                live, tok, attn, pos, active = live[keep], tok[keep], attn[keep], pos[keep], active[keep]
+                live, tok, attn, pos = live[keep], tok[keep], attn[keep], pos[keep]
+                active = active[keep]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
             pos = pos[:, -1:] + 1
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=out.past_key_values,
-                             use_cache=True)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                             past_key_values=out.past_key_values, use_cache=True)
         finished = (toks.gather(1, (lengths - 1)[:, None])[:, 0] == eos).tolist()
         lengths = lengths.tolist()
-        return [x[:k] for x, k in zip(toks.tolist(), lengths)], [x[:k] for x, k in zip(lps.tolist(), lengths)], finished
+        return ([x[:k] for x, k in zip(toks.tolist(), lengths)],
+                [x[:k] for x, k in zip(lps.tolist(), lengths)], finished)
 
 
 # ---- the vLLM backend ----------------------------------------------------------------------------
@@ -160,9 +168,9 @@ class VLLMSampler:
       - prompts go in as the trainer's token ids: vLLM's own tokenizer would re-split the tiny
         tokenizer's digits (4 of 4 prompts differed, and the SFT model's accuracy fell from 0.26
         to 0.01);
-      - one seed per prompt, seed + i·n: vLLM gives the k-th of a prompt's n samples seed + i·n + k,
-        so every row has its own stream and a step seed reproduces the batch (one shared seed made two
-        copies of a prompt sample the same completion);
+      - one seed per prompt, seed + i·n: vLLM gives the k-th of a prompt's n samples seed + i·n
+        + k, so every row has its own stream and a step seed reproduces the batch (one shared seed
+        made two copies of a prompt sample the same completion);
       - log-probs in vLLM's processed mode: of softmax(logits / T), as HFSampler's and the trainer's
         token_stats(temperature=T); top-k / top-p would filter them too, and RL uses neither;
       - sync() through vLLM's in-place reload, the same call on CPU and GPU.
@@ -171,23 +179,27 @@ class VLLMSampler:
     prompt split across steps crashes the CPU sampler); on a GPU bf16, sleep mode, 30% of its
     memory."""
 
-    def __init__(self, model_dir, tokenizer, seed=0, max_model_len=2048, dtype=None, sleep_mode=None,
-                 gpu_memory_utilization=0.3, max_num_batched_tokens=None):
+    def __init__(self, model_dir, tokenizer, seed=0, max_model_len=2048, dtype=None,
+                 sleep_mode=None, gpu_memory_utilization=0.3, max_num_batched_tokens=None):
         # engine in-process: sync() hands it tensors
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm import LLM
         except ImportError as e:
-            raise CountdownError(f"--backend vllm needs vLLM ({e}): pip install -e '.[vllm]' on a GPU, or the CPU "
-                                 "lane's venv (README, Tests)") from None
+            raise CountdownError(
+                f"--backend vllm needs vLLM ({e}): pip install -e '.[vllm]' on a GPU, or the CPU "
+                "lane's venv (README, Tests)") from None
         gpu = torch.cuda.is_available()
         self.tok, self.asleep = tokenizer, False
         self.sleep_mode = gpu if sleep_mode is None else sleep_mode
-        memory = {"gpu_memory_utilization": gpu_memory_utilization} if gpu else {"kv_cache_memory_bytes": 1 << 30}
+        memory = ({"gpu_memory_utilization": gpu_memory_utilization} if gpu
+                  else {"kv_cache_memory_bytes": 1 << 30})
         self.llm = LLM(model=model_dir, seed=seed, max_model_len=max_model_len,
-                       dtype=dtype or ("bfloat16" if gpu else "float32"), enable_sleep_mode=self.sleep_mode,
+                       dtype=dtype or ("bfloat16" if gpu else "float32"),
+                       enable_sleep_mode=self.sleep_mode,
                        logprobs_mode="processed_logprobs",
-                       max_num_batched_tokens=max_num_batched_tokens or (None if gpu else 65536), **memory)
+                       max_num_batched_tokens=max_num_batched_tokens or (None if gpu else 65536),
+                       **memory)
 
     def sync(self, model):
         """The trainer's weights into the engine by vLLM's own layer-by-layer in-place reload. (The
@@ -196,7 +208,8 @@ class VLLMSampler:
         TRL's colocate mode does: TRL issue 5312.)"""
         if hasattr(model, "merge_and_unload"):  # LoRA (peft): the engine holds W + BA
             model = copy.deepcopy(model).merge_and_unload()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(model.state_dict().items())})
+        self.llm.collective_rpc("reload_weights",
+                                kwargs={"weights_iterator": iter(model.state_dict().items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
     def sleep(self):
@@ -210,23 +223,27 @@ class VLLMSampler:
             self.llm.wake_up()
             self.asleep = False
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024, seed=0,
-                 bottom_p=1.0, bottom_p_freq=1.0):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0):
         from vllm import SamplingParams
         if bottom_p < 1.0:
             raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
         if self.asleep:
             raise CountdownError("generate() on a sleeping vLLM engine: call wake() first")
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
-                                 max_tokens=max_new_tokens, seed=seed + i * n, logprobs=0) for i in range(len(prompts))]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
+                                 top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
+                                 seed=seed + i * n, logprobs=0)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                 use_tqdm=False)
         comps = [c for o in outs for c in o.outputs]
         # EOS included when the sample stopped on it, as HFSampler's
         ids = [list(c.token_ids) for c in comps]
         # our decoder too
         texts = self.tok.batch_decode([[t for t in x if t != self.tok.eos_token_id] for x in ids])
-        return Rollouts([list(o.prompt_token_ids) for o in outs], ids, [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
+        return Rollouts([list(o.prompt_token_ids) for o in outs], ids,
+                        [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
                         texts, [c.finish_reason == "stop" for c in comps])
 
 
@@ -235,7 +252,8 @@ def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=204
     from the trainer before each rollout, its context cut to the model's positions (the tiny
     model has 1,024)."""
     if backend == "vllm":
-        return VLLMSampler(model_dir, tokenizer, seed, min(max_model_len, model.config.max_position_embeddings))
+        return VLLMSampler(model_dir, tokenizer, seed,
+                           min(max_model_len, model.config.max_position_embeddings))
     if backend != "hf":
         raise CountdownError(f"--backend must be hf or vllm, not {backend!r}")
     return HFSampler(model, tokenizer, batch_size)
@@ -246,7 +264,8 @@ def rollout_batch(ro, rows, pad_id):
     to these rows' longest, and the sampler's log-probs (b, T-1) aligned with token_stats'
     outputs."""
     n = len(ro.completion_ids) // len(ro.prompt_ids)
-    ids, attn, mask = pack([ro.prompt_ids[r // n] for r in rows], [ro.completion_ids[r] for r in rows], pad_id)
+    ids, attn, mask = pack([ro.prompt_ids[r // n] for r in rows],
+                           [ro.completion_ids[r] for r in rows], pad_id)
     sel = mask[:, 1:].bool()
     lp = torch.tensor([x for r in rows for x in ro.logprobs[r]], dtype=torch.float32)
     return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
@@ -262,13 +281,14 @@ def micro_batches(ro, size, pad_id, device):
         yield (rows, *(x.to(device) for x in rollout_batch(ro, rows, pad_id)))
 
 
-def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature, max_new_tokens, seed,
-             bottom_p=1.0, bottom_p_freq=1.0):
+def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature,
+             max_new_tokens, seed, bottom_p=1.0, bottom_p_freq=1.0):
     """n completions for each task's prompt from `sampler` after syncing it to `model`, at
     `temperature` (one for all, or a list: one per task, paper 002's per-example temperature)
     with top_p 1 and no top_k (the RL scripts' sampling), and paper 002's bottom-p if asked."""
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
-    if max(len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]) > max_prompt_len:
+    prompt_lens = [len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    if max(prompt_lens) > max_prompt_len:
         raise CountdownError(f"a prompt is longer than --max_prompt_len {max_prompt_len}")
     temps = temperature if isinstance(temperature, list) else [temperature] * len(tasks)
     explore = dict(bottom_p=bottom_p, bottom_p_freq=bottom_p_freq) if bottom_p < 1 else {}
@@ -304,7 +324,8 @@ def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):
     row_tasks = [t for t in tasks for _ in range(n)]
     scores = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
     if reward == "dense":
-        return scores, torch.tensor([dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]).view(-1, n)
+        dense = [dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]
+        return scores, torch.tensor(dense).view(-1, n)
     wrong = (scores > 0) & (scores < 1)  # an answer, not the target
     return scores, torch.where(wrong, torch.tensor(wrong_reward), scores).view(-1, n)
 
@@ -315,6 +336,7 @@ def logprob_gap(model, tokenizer, ro, temperature):
     scripts log as train/sampler_gap, for checking a sampler (tests/test_vllm.py,
     benchmarks/vllm_check.py)."""
     rows = list(range(len(ro.completion_ids)))
-    ids, attn, mask, sampler_logp = (x.to(model.device) for x in rollout_batch(ro, rows, tokenizer.pad_token_id))
+    ids, attn, mask, sampler_logp = (x.to(model.device)
+                                     for x in rollout_batch(ro, rows, tokenizer.pad_token_id))
     logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
     return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()

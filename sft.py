@@ -187,7 +187,7 @@ def main(argv=None):
         if new_epoch:
             responses = write_responses(run.rng)
         mbs = list(batches([prompts[i] for i in idx], [responses[i] for i in idx]))
-        # ---- forward / backward per micro-batch; the loss is a token mean over the step (Eq. 1) ----
+        # ---- forward / backward per micro-batch; Eq. 1's token mean over the whole step ----
         stats = StepStats(args.batch_size, sum(int(mask[:, 1:].sum()) for _, _, mask in mbs))
         for ids, attn, mask in mbs:
             with autocast(device, model):

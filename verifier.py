@@ -116,13 +116,16 @@ def dense_score(response, numbers, target):
 def _moves(a, b, restricted):
     """(value, op, left, right) per way to merge two (value, expr) items; `restricted`: the
     generator's rule, non-negative integers only (a - b only if a >= b, exact /)."""
-    out = [(a[0] + b[0], "+", a, b), (a[0] * b[0], "*", a, b), (a[0] - b[0], "-", a, b), (b[0] - a[0], "-", b, a)]
-    out += ([(a[0] / b[0], "/", a, b)] if b[0] else []) + ([(b[0] / a[0], "/", b, a)] if a[0] else [])
+    out = [(a[0] + b[0], "+", a, b), (a[0] * b[0], "*", a, b), (a[0] - b[0], "-", a, b),
+           (b[0] - a[0], "-", b, a)]
+    out += [(a[0] / b[0], "/", a, b)] if b[0] else []
+    out += [(b[0] / a[0], "/", b, a)] if a[0] else []
     return [m for m in out if not restricted or (m[0] >= 0 and m[0].denominator == 1)]
 
 
 def _search(items, target, restricted, path=()):
-    """Depth-first over pair merges; yields (expr, path of (left, op, right, result, values left))."""
+    """Depth-first over pair merges; yields (expr, path of (left, op, right, result, values
+    left))."""
     if len(items) == 1:
         if items[0][0] == target:
             yield items[0][1], path
@@ -131,7 +134,8 @@ def _search(items, target, restricted, path=()):
         rest = [items[k] for k in range(len(items)) if k not in (i, j)]
         for value, op, left, right in _moves(items[i], items[j], restricted):
             step = (left[0], op, right[0], value, [x[0] for x in rest] + [value])
-            yield from _search(rest + [(value, f"({left[1]} {op} {right[1]})")], target, restricted, path + (step,))
+            yield from _search(rest + [(value, f"({left[1]} {op} {right[1]})")], target, restricted,
+                               path + (step,))
 
 
 def solve(numbers, target, restricted=False):
@@ -149,10 +153,12 @@ def _solvable(values, target):
         return values[0] == target
     if len(values) == 2:  # the leaves, unrolled: most calls end here
         a, b = values
-        return target in (a + b, a * b, abs(a - b)) or (b > 0 and a == target * b) or (a > 0 and b == target * a)
+        return (target in (a + b, a * b, abs(a - b)) or (b > 0 and a == target * b)
+                or (a > 0 and b == target * a))
     for i, j in itertools.combinations(range(len(values)), 2):
         a, b, rest = values[i], values[j], values[:i] + values[i + 1:j] + values[j + 1:]
-        merged = [a + b, a * b, abs(a - b)] + ([a // b] if b and a % b == 0 else []) + ([b // a] if a and b % a == 0 else [])
+        merged = [a + b, a * b, abs(a - b)]
+        merged += ([a // b] if b and a % b == 0 else []) + ([b // a] if a and b % a == 0 else [])
         if any(_solvable(tuple(sorted(rest + (v,))), target) for v in merged):
             return True
     return False
@@ -179,14 +185,17 @@ def generate_splits(sizes, seed=0, num_numbers=(3, 4), num_range=(1, 99), target
 
 
 def _steps_text(steps):
-    return " ".join(f"{a} {op} {b} = {v}" + (f", left {' '.join(map(str, rest))}." if len(rest) > 1 else ".")
+    return " ".join(f"{a} {op} {b} = {v}"
+                    + (f", left {' '.join(map(str, rest))}." if len(rest) > 1 else ".")
                     for a, op, b, v, rest in steps)
 
 
 @functools.lru_cache(maxsize=50_000)
 def _solutions(numbers, target):
-    """Up to 16 solver paths; cached because SFT writes a new trace for every problem every epoch."""
-    return list(itertools.islice(_search([(Fraction(n), str(n)) for n in numbers], target, True), 16))
+    """Up to 16 solver paths; cached because SFT writes a new trace for every problem every
+    epoch."""
+    return list(
+        itertools.islice(_search([(Fraction(n), str(n)) for n in numbers], target, True), 16))
 
 
 def random_path(numbers, rng):
@@ -195,7 +204,8 @@ def random_path(numbers, rng):
     while len(items) > 1:
         i, j = rng.sample(range(len(items)), 2)
         value, op, left, right = rng.choice(_moves(items[i], items[j], True))
-        items = [x for k, x in enumerate(items) if k not in (i, j)] + [(value, f"({left[1]} {op} {right[1]})")]
+        items = ([x for k, x in enumerate(items) if k not in (i, j)]
+                 + [(value, f"({left[1]} {op} {right[1]})")])
         steps.append((left[0], op, right[0], value, [x[0] for x in items]))
     return items[0][1], steps
 
@@ -209,7 +219,8 @@ def arith_text(problems, rng):
 def near_miss(numbers, target, rng, tries=8):
     """The closest miss of `tries` random legal paths (None if all hit, or one number): the dead end
     that makes a trace's check exact, since a miss far off can be told by magnitude alone."""
-    misses = [p for p in (random_path(numbers, rng)[1] for _ in range(tries)) if p and p[-1][3] != target]
+    paths = (random_path(numbers, rng)[1] for _ in range(tries))
+    misses = [p for p in paths if p and p[-1][3] != target]
     return min(misses, key=lambda p: abs(p[-1][3] - target)) if misses else None
 
 
@@ -229,7 +240,8 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
     while True:
         if rng.random() * (1 + dead_ends) < 1:
             expr, path = rng.choice(solutions)
-        elif near_misses and rng.random() < near_misses and (miss := near_miss(numbers, target, rng)):
+        elif (near_misses and rng.random() < near_misses
+              and (miss := near_miss(numbers, target, rng))):
             expr, path = None, miss  # a near miss never finds, so its expression is never written
         else:
             expr, path = random_path(numbers, rng)
@@ -237,7 +249,8 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
         found = (path[-1][3] if path else numbers[0]) == target
         lines.append(f"{_steps_text(path)} Target {target}, {'found' if found else 'back'}.")
         if found:
-            return " " + "\n".join(lines) + f"\n</think>\n<answer>{expr[1:-1] if path else expr}</answer>"
+            answer = expr[1:-1] if path else expr
+            return " " + "\n".join(lines) + f"\n</think>\n<answer>{answer}</answer>"
 
 
 def flip_operator(expr, numbers, target, rng=None):
@@ -254,4 +267,3 @@ def flip_operator(expr, numbers, target, rng=None):
             if value is not None and value != target:
                 return candidate
     return None
-
