@@ -139,6 +139,14 @@ class CurriculumArgs(VerifierRLArgs):
                                     "problems the init is probed on; training draws from these")
     probe_samples: int = arg(4, "samples of the init per probed problem, at --temperature")
 
+    def curriculum_options(self):
+        """curriculum.setup_curriculum's flags as keyword arguments."""
+        return dict(mode=self.curriculum, probe_problems=self.probe_problems,
+                    probe_samples=self.probe_samples, template=self.template,
+                    max_prompt_len=self.max_prompt_len, temperature=self.temperature,
+                    max_new_tokens=self.max_response_len, bins=self.curriculum_bins,
+                    window=self.curriculum_window, threshold=self.curriculum_threshold)
+
 
 def check_choice(flag, value, choices):
     """One line naming the choices when a flag's value is not one of them."""

@@ -82,6 +82,20 @@ class Curriculum:
         return {"level": self.level, "recent": self.recent}
 
 
+def setup_curriculum(tasks, sampler, model, tok, run_dir, state, seed, mode, probe_problems,
+                     probe_samples, template, max_prompt_len, temperature, max_new_tokens, bins,
+                     window, threshold, probe_always=False):
+    """What rloo.py and grpo.py train on: the probed first `probe_problems` of `tasks` when `mode`
+    is filter (or `probe_always`: grpo's --adaptive_temperature needs the solve rates), with the
+    Curriculum over them; `state`: a resumed run's. The flags come from
+    CurriculumArgs.curriculum_options(). Returns (tasks, curriculum)."""
+    if mode == "filter" or probe_always:  # 002 §5.2: the init's solve rate per problem
+        tasks = probe(sampler, model, tok, tasks[:probe_problems], probe_samples, template,
+                      max_prompt_len, temperature, max_new_tokens, seed,
+                      os.path.join(run_dir, "probe.jsonl"))
+    return tasks, make_curriculum(mode, tasks, bins, window, threshold, state)
+
+
 def make_curriculum(mode, tasks, bins, window, threshold, state=None):
     """The Curriculum of --curriculum `mode` (none | tiers | filter) over `tasks`; `filter` needs
     the probe's task["solve_rate"] first and keeps the probed problems with 0 < rate < 1. `state`:

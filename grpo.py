@@ -25,7 +25,6 @@ Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --ou
 CPU (embedded): the `grpo` stage of run_cpu.sh, which prints its exact command.
 """
 import copy
-import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,7 +33,7 @@ import torch
 from checkpoints import prepare_run
 from common import (CountdownError, CurriculumArgs, arg, autocast, check_choice, check_rl_args, cli,
                     parse_args, seed_everything)
-from curriculum import make_curriculum, probe
+from curriculum import setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
@@ -171,13 +170,11 @@ def main(argv=None):
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
               **args.run_options(output_dir))
-    if args.curriculum == "filter" or T_easy_hard:  # 002 §5.2: the init's solve rate per problem
-        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
-                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
-                      step_seed(args.seed, 0), os.path.join(output_dir, "probe.jsonl"))
-    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,
-                                 args.curriculum_window, args.curriculum_threshold,
-                                 run.extra.get("curriculum"))
+    # 001's tiers or 002's filter (curriculum.py); adaptive temperature needs the probe too
+    tasks, curriculum = setup_curriculum(tasks, sampler, model, tok, output_dir,
+                                         run.extra.get("curriculum"), step_seed(args.seed, 0),
+                                         probe_always=bool(T_easy_hard),
+                                         **args.curriculum_options())
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----

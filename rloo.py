@@ -21,7 +21,6 @@ Real (1×H100, the paper's recipe = the defaults):
   python rloo.py --init out/sft --backend vllm --output_dir out/rloo
 CPU (embedded): the `rloo` stage of run_cpu.sh, which prints its exact command.
 """
-import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -29,7 +28,7 @@ import torch
 
 from checkpoints import prepare_run
 from common import CurriculumArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
-from curriculum import make_curriculum, probe
+from curriculum import setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
@@ -113,13 +112,10 @@ def main(argv=None):
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
-    if args.curriculum == "filter":  # 002 §5.2: the init's solve rate on the first N problems
-        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
-                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
-                      step_seed(args.seed, 0), os.path.join(output_dir, "probe.jsonl"))
-    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,
-                                 args.curriculum_window, args.curriculum_threshold,
-                                 run.extra.get("curriculum"))
+    # 001's tiers or 002's filter (curriculum.py); --curriculum none: every problem, always
+    tasks, curriculum = setup_curriculum(tasks, sampler, model, tok, output_dir,
+                                         run.extra.get("curriculum"), step_seed(args.seed, 0),
+                                         **args.curriculum_options())
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
