@@ -7,7 +7,7 @@ dataset from the same init with the same steps, and evaluated on the val split. 
 students and found a Pearson coefficient over 0.89 between dataset rank and student score.
 
     python benchmarks/rlt_correlation.py --teacher out/r/rlt_sft --student out/cpu/sft \
-        --student_init out/cpu/base --out out/rlt_corr
+        --student_init out/cpu/base --out out/rlt_corr --problems 1024 --k 6
 """
 import argparse
 import json
@@ -40,7 +40,9 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--problems", type=int, default=512)
     p.add_argument("--k", type=int, default=4, help="explanations per problem = datasets = students")
-    p.add_argument("--steps", type=int, default=200, help="SFT steps per student (batch 32)")
+    p.add_argument("--steps", type=int, default=400, help="SFT steps per student (run_cpu.sh's "
+                   "student: 400)")
+    p.add_argument("--batch_size", type=int, default=64, help="per step (run_cpu.sh's student: 64)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -65,7 +67,7 @@ def main():
                                     "completion": rlt.student_completion(rlt.explanation_of(e)[0], s)}) + "\n")
         out = os.path.join(args.out, f"student{j}")
         sft.main(["--init", args.student_init, "--data", path, "--eval_data", "gen:" + SPEC, "--template", "compact",
-                  "--num_train", str(args.problems), "--lr", "2e-3", "--batch_size", "32", "--micro_batch", "32",
+                  "--num_train", str(args.problems), "--lr", "2e-3", "--batch_size", str(args.batch_size), "--micro_batch", "32",
                   "--max_steps", str(args.steps), "--eval_every", "0", "--eval_problems", "100", "--eval_samples", "4",
                   "--eval_max_new_tokens", "160", "--seed", str(args.seed), "--output_dir", out, "--overwrite"])
         last = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))][-1]
