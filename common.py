@@ -155,10 +155,11 @@ def check_choice(flag, value, choices):
             f"--{flag} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
 
 
-def check_rl_args(group_size, reward="sparse", curriculum="none"):
+def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum"):
     """One-line errors for the RL flags every script checks the same way."""
     check_choice("reward", reward, ("sparse", "dense"))
     check_choice("curriculum", curriculum, ("none", "tiers", "filter"))
+    check_choice("pg_norm", pg_norm, ("sum", "mean"))
     if group_size < 2:
         raise CountdownError(
             "--group_size must be at least 2: the advantage compares rollouts of one prompt")

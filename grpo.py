@@ -37,7 +37,7 @@ from curriculum import setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
-from loop import Run, StepStats, load_policy, mix_reference, rollout_metrics, step_seed
+from loop import Run, load_policy, mix_reference, rollout_metrics, step_seed
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
@@ -123,7 +123,9 @@ def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl
     kl = torch.zeros_like(logp) if ref_logp is None else \
         k3_kl(logp, ref_logp, old_logp if kl_ratio else None)  # (b, T-1) D_KL, Eq. 1
     clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - epsilon) & (A < 0))
-    return -surrogate + beta * kl, {"kl": kl, "ratio": ratio.detach(), "clipped": clipped.float()}
+    terms = {"pg": -surrogate, "kl": beta * kl}  # as Eq. 1 weighs them (StepStats.term_grads)
+    return -surrogate + beta * kl, {"kl": kl, "ratio": ratio.detach(), "clipped": clipped.float(),
+                                    "terms": terms}
 
 
 def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
@@ -195,7 +197,9 @@ def main(argv=None):
             keep = torch.tensor(ro.finished, dtype=torch.float32)
         n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)  # in the loss
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----
-        stats, ref_logps = StepStats(B * G, n_tok), {}
+        agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=n_tok,
+                      max_len=args.max_response_len)  # (b, T-1), (b, T-1) -> share of L
+        stats, ref_logps = run.stats(B * G, n_tok), {}
         for it in range(args.num_iterations):
             mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
             for i, (rows, ids, attn, mask, old_logp) in enumerate(mbs):
@@ -209,7 +213,9 @@ def main(argv=None):
                 per_token, parts = grpo_loss(st["logp"], old_logp, ref_logps.get(i),
                                              adv[rows].to(device), args.beta, args.epsilon,
                                              args.epsilon_high, args.kl_ratio)
-                loss = aggregate(per_token, m, args.loss_agg, B * G, n_tok, args.max_response_len)
+                if it == 0:  # on diagnose steps: each term's own pull
+                    stats.term_grads({k: agg(v, m) for k, v in parts["terms"].items()}, 1)
+                loss = agg(per_token, m)
                 loss.backward()
                 stats.add("loss", loss.item())
                 for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]),

@@ -20,8 +20,12 @@ def load_policy(init, gradient_checkpointing, lora_rank=0, lora_alpha=0.0,
     PeftModel, and save_checkpoint writes it merged, an ordinary checkpoint for the next --init."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(init, device, torch.float32, **tiny_overrides)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    # from_pretrained returns eval mode, where transformers never checkpoints: train mode is what
+    # makes --gradient_checkpointing act (Qwen2 has no dropout, so nothing else changes). The
+    # sampler and evaluation switch to eval mode and back.
+    model.train()
+    if gradient_checkpointing:  # recompute each layer's activations in backward, not keep them
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_rank > 0:
         try:
             from peft import LoraConfig, get_peft_model
@@ -61,12 +65,16 @@ def mix_reference(ref, model, mix):
 class StepStats:
     """A step's metrics summed over its micro-batches as `train/<name>`: token means over the
     batch's `n_tokens` loss tokens, means over its `n_rows` rollouts, maxima, and the
-    sampler/trainer log-prob gap (train/sampler_gap, the weight-sync canary: ~0 when the sampler
-    is the trainer)."""
+    sampler/trainer log-prob gap (train/sampler_gap, the weight-sync canary: ~1e-7 when an fp32
+    trainer is the sampler, ~1e-3 from a bf16 trainer's rounding, ~1e-1 from a sampler one step
+    stale). Given the `model` (Run.stats, on diagnose steps), also each loss term's own gradient
+    norm as `grad/<term>`."""
 
-    def __init__(self, n_rows, n_tokens):
+    def __init__(self, n_rows, n_tokens, model=None):
         self.n_rows, self.n_tokens = n_rows, max(n_tokens, 1)
         self.sums, self.maxima, self.gap = {}, {}, 0.0
+        self.params = [p for p in model.parameters() if p.requires_grad] if model else []
+        self.grads = {}  # term -> its gradient, summed over micro-batches
 
     def add(self, name, value):
         self.sums[name] = self.sums.get(name, 0.0) + value
@@ -86,11 +94,29 @@ class StepStats:
     def sampler_gap(self, logp, sampler_logp, mask):
         self.gap += ((logp.detach() - sampler_logp).abs() * mask).sum().item()
 
+    def term_grads(self, terms, scale):
+        """How much of the update each knob really moves (grad/pg, grad/entropy, grad/kl: the
+        script's KL term, as train/kl). terms: name -> per-rollout (b,) values of that term as the
+        loss weights it, so that sum / scale is this micro-batch's share of it. Each term is
+        back-propagated alone (before the loss's own backward, which frees the graph). Costs one
+        backward and one gradient copy per term, on diagnose steps only."""
+        for name, term in terms.items() if self.params else ():
+            acc = self.grads.setdefault(name, [torch.zeros_like(p) for p in self.params])
+            if not term.requires_grad:  # a term switched off (β = 0: no reference)
+                continue
+            grads = torch.autograd.grad(term.sum() / scale, self.params, retain_graph=True,
+                                        allow_unused=True)
+            for a, g in zip(acc, grads):
+                if g is not None:
+                    a.add_(g)
+
     def metrics(self, passes=1):
         """The sums over `passes` passes of the batch (GRPO's num_iterations) as their mean per
         pass."""
         out = {f"train/{k}": v / passes for k, v in self.sums.items()}
         out.update({f"train/{k}": v for k, v in self.maxima.items()})
+        out.update({f"grad/{k}": torch.sqrt(sum(a.float().square().sum() for a in acc)).item()
+                    for k, acc in self.grads.items()})
         return {**out, "train/sampler_gap": self.gap / self.n_tokens}
 
 
@@ -103,7 +129,8 @@ def rollout_metrics(ro, scores, reward, adv):
             "train/format": (scores > 0).float().mean(), "train/reward_std": group_std.mean(),
             "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
             "train/resp_len": sum(map(len, ro.completion_ids)) / n,
-            "train/truncated": 1 - sum(ro.finished) / n}
+            # what the reward sees (no complete answer block) and what the budget did (no EOS)
+            "train/no_answer": (scores == 0).float().mean(), "train/cut": 1 - sum(ro.finished) / n}
 
 
 class Run:
@@ -138,7 +165,7 @@ class Run:
         if not self.start and self.eval_first:
             self.log.log(0, self.evaluate())  # where the init starts
         for step in range(self.start + 1, self.total + 1):
-            self.t0, self.t_sample = time.time(), 0.0
+            self.step, self.t0, self.t_sample = step, time.time(), 0.0
             if self.lr is not None:
                 warmup_lr(self.opt, self.lr, step, self.warmup_steps)
             yield step
@@ -156,6 +183,15 @@ class Run:
     def next_tasks(self, tasks, n, pool=None):
         """The next n tasks, drawn from `pool` (indices into tasks; default all of them)."""
         return [tasks[i] for i in self.next_indices(pool or range(len(tasks)), n)[0]]
+
+    def evaluates(self, step):
+        return step == self.total or bool(self.eval_every and step % self.eval_every == 0)
+
+    def stats(self, n_rows, n_tokens):
+        """This step's StepStats; on the first step and every evaluating one it also measures each
+        loss term's own gradient (StepStats.term_grads), which costs a backward per term."""
+        due = self.step == self.start + 1 or self.evaluates(self.step)
+        return StepStats(n_rows, n_tokens, self.model if due else None)
 
     def sampled(self):
         """Mark the end of the step's sampling (time/sample)."""
@@ -187,7 +223,7 @@ class Run:
                         "time/sample": self.t_sample, "time/update": now - self.t0 - self.t_sample,
                         "time/step": now - self.t0})
         self.grad_norms = []
-        if step == self.total or (self.eval_every and step % self.eval_every == 0):
+        if self.evaluates(step):
             metrics.update(self.evaluate())
             save_checkpoint(self.model, self.tok, self.output_dir)
         self.log.log(step, metrics)

@@ -10,8 +10,9 @@ imperfect teacher. Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_co
 --kd_temperature 1.3. L_PG and H use the rollout distribution softmax(z_S / --temperature), the one
 μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its clip (000 App. B:
 ~12.4). Departures from the paper:
-  1. The KL and the entropy are means over each rollout's tokens, then averaged over rollouts like
-     L_PG.
+  1. The KL and the entropy are means over each rollout's tokens, L_PG a sum over ~100: λ_KL's KL
+     pulled 0.005 as hard as L_PG (grad/<term>; docs/loss_terms.md). --pg_norm mean divides L_PG
+     by the token count, so line 9's 0.5 / 0.5 weigh like terms.
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
   3. Embedded setting: a stronger tiny teacher written by sft.py, 32 prompts x 8, lr 2e-4, a wrong
      answer rewarded -0.5 in the RL half (README, "OPD"; docs/arithmetic.md).
@@ -34,7 +35,7 @@ from common import (CountdownError, VerifierRLArgs, arg, autocast, check_rl_args
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
-from loop import Run, StepStats, load_policy, rollout_metrics, step_seed
+from loop import Run, load_policy, rollout_metrics, step_seed
 from models import load_frozen
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
@@ -64,6 +65,8 @@ class Args(VerifierRLArgs):
     entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2)")
     kd_temperature: float = arg(1.0, "T of the distillation KL (000: 1.0; anti-collapse 1.3)")
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
+    pg_norm: str = arg("sum", "sum: Eq. 3's log π(y|x), a sum over the rollout's tokens (000) | "
+                              "mean: divided by its token count, the scale of the KL and entropy")
 
 
 def rloo_advantages(reward):
@@ -75,25 +78,29 @@ def rloo_advantages(reward):
 
 
 def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, kl_coef, rl_coef, entropy_coef,
-             is_clip):
+             is_clip, pg_norm="sum"):
     """Algorithm 1 lines 5-9 per rollout (b,). logp, old_logp: the student's and the sampler μ's
     log-probs of the sampled tokens, both at the rollout temperature; teacher_kl: KL(teacher ‖
     student) at kd_temperature per token; entropy: the student's; all (b, T-1); mask (b, T-1);
-    adv (b,). The caller averages over rollouts."""
+    adv (b,). The caller averages over rollouts. `terms`: the three parts as line 9 weights them
+    (StepStats.term_grads)."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
     logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)  # (b,) log π(y_i|x)
     w_raw = (logp_seq - old_seq).detach().exp()  # (b,) line 6, detached
     w = w_raw.clamp(max=is_clip)
     pg = -w * adv * logp_seq                                                           # (b,) line 7
+    if pg_norm == "mean":  # departure 1: per token, on the scale of the KL and entropy
+        pg = pg / n_tok
     kl = (teacher_kl * mask).sum(-1) / n_tok  # (b,) line 5: mean_t
     ent = (entropy * mask).sum(-1) / n_tok  # (b,) line 8: mean_t
-    loss = kl_coef * kl + rl_coef * pg - entropy_coef * ent  # (b,) line 9 (Eq. 4)
-    return loss, {"pg": pg.detach(), "is_weight": w, "is_weight_raw": w_raw}
+    terms = {"kl": kl_coef * kl, "pg": rl_coef * pg, "entropy": -entropy_coef * ent}
+    return sum(terms.values()), {"pg": pg.detach(), "is_weight": w,  # (b,) line 9 (Eq. 4)
+                                 "is_weight_raw": w_raw, "terms": terms}
 
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward)
+    check_rl_args(args.group_size, args.reward, pg_norm=args.pg_norm)
     if args.kd_temperature <= 0:
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
@@ -119,7 +126,7 @@ def main(argv=None):
         scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
-        stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
+        stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
         for rows, ids, attn, mask, old_logp in mbs:
             # logp, entropy at the rollout T, the KL at kd_temperature
@@ -129,7 +136,8 @@ def main(argv=None):
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m,
                                    adv[rows].to(device), args.kl_coef, args.rl_coef,
-                                   args.entropy_coef, args.is_clip)
+                                   args.entropy_coef, args.is_clip, args.pg_norm)
+            stats.term_grads(parts["terms"], B * G)  # on diagnose steps: each term's own pull
             loss = loss.sum() / (B * G)  # mean over rollouts
             loss.backward()
             stats.add("loss", loss.item())

@@ -13,8 +13,8 @@ from common import CountdownError, arg, cli, parse_args
 from data import read_jsonl
 
 # the pipeline's stages in run_cpu.sh's order; any other eval dir is listed after them
-STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "rlt_student",
-          "rlt0_student", "solver_student"]
+STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "opd_longer",
+          "rlt_student", "rlt0_student", "solver_student"]
 
 
 @dataclass
@@ -133,7 +133,7 @@ def plot_training(out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     curves = [(n, k, k) for k in ("train/reward", "train/accuracy")
-              for n in ("rloo", "grpo", "opd", "opd_anticollapse")]
+              for n in ("rloo", "grpo", "opd", "opd_anticollapse", "opd_longer")]
     curves += [("rlt", "train/r_ss", "train"), ("rlt", "eval/r_ss", "held-out")]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, title in zip(axes, ["train/reward", "train/accuracy", "r_ss"],

@@ -11,8 +11,8 @@ Departures from the paper:
      times the differentiable ratio π_θ/μ: on μ's tokens its gradient is KL(π_θ‖μ)'s (--no-kl_ratio:
      plain k3). With the HF sampler μ *is* the policy, so w = 1 and the term is ~0; it acts with
      vLLM's snapshot or a slower sync.
-  2. The entropy bonus is the full-vocabulary entropy, averaged over each response's tokens.
-     --curriculum: paper 001's success-gated tiers (Algorithm 1) or paper 002's filter.
+  2. The entropy and KL are token means, Eq. 3 a sum over ~100 tokens: λ_H's term pulled 3e-5 as
+     hard (grad/<term>; docs/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
   3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 2e-4, 20 steps, and a wrong
      answer rewarded -0.5, not 0.1: with 160 tokens the 0.1 pays for a false "found"
      (docs/arithmetic.md).
@@ -32,7 +32,7 @@ from curriculum import setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
-from loop import Run, StepStats, load_policy, rollout_metrics, step_seed
+from loop import Run, load_policy, rollout_metrics, step_seed
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
@@ -54,6 +54,8 @@ class Args(CurriculumArgs):
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
     kl_ratio: bool = arg(True, "k3 times the ratio π_θ/μ: the gradient of KL(π_θ‖μ) "
                                "(--no-kl_ratio: plain k3)")
+    pg_norm: str = arg("sum", "sum: Eq. 3's log π(y|x), a sum over the rollout's tokens (000) | "
+                              "mean: divided by its token count, the scale of the entropy and KL")
 
 
 def rloo_advantages(reward):
@@ -84,23 +86,28 @@ def k3_kl(logp, other_logp, sample_logp=None):
     return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
-def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip, kl_ratio=True):
+def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip, kl_ratio=True,
+              pg_norm="sum"):
     """Eq. 3 plus the entropy bonus and the KL to μ, per rollout (b,). logp, old_logp (the sampler
-    μ), entropy, mask: (b, T-1); adv: (b,). The caller sums over rollouts and divides by B·G."""
+    μ), entropy, mask: (b, T-1); adv: (b,). The caller sums over rollouts and divides by B·G.
+    `terms` are the loss's three parts as it weights them (StepStats.term_grads)."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
     logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)  # (b,) log π(y_i|x)
     w, w_raw = importance_weights(logp_seq, old_seq, is_clip)
     pg = -w * adv * logp_seq                                                           # (b,) Eq. 3
+    if pg_norm == "mean":  # departure 2: per token, as the entropy and KL below
+        pg = pg / n_tok
     ent = (entropy * mask).sum(-1) / n_tok  # (b,) mean token entropy
     kl_tok = k3_kl(logp, old_logp, old_logp if kl_ratio else None)  # (b, T-1) KL(π_θ‖μ)
     kl = (kl_tok * mask).sum(-1) / n_tok                                               # (b,)
-    loss = pg - entropy_coef * ent + kl_coef * kl
-    return loss, {"kl": kl_tok.detach(), "is_weight": w, "is_weight_raw": w_raw}
+    terms = {"pg": pg, "entropy": -entropy_coef * ent, "kl": kl_coef * kl}
+    return sum(terms.values()), {"kl": kl_tok.detach(), "is_weight": w, "is_weight_raw": w_raw,
+                                 "terms": terms}
 
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward, args.curriculum)
+    check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
@@ -127,14 +134,16 @@ def main(argv=None):
         scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
-        stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
+        stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
         for rows, ids, attn, mask, old_logp in mbs:
             with autocast(device, model):
                 st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
             m = mask[:, 1:].float()                                                    # (b, T-1)
             loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device),
-                                    args.entropy_coef, args.kl_coef, args.is_clip, args.kl_ratio)
+                                    args.entropy_coef, args.kl_coef, args.is_clip, args.kl_ratio,
+                                    args.pg_norm)
+            stats.term_grads(parts["terms"], B * G)  # on diagnose steps: each term's own pull
             loss = loss.sum() / (B * G)  # −(1/G) Σ_i, mean over prompts
             loss.backward()
             stats.add("loss", loss.item())

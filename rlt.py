@@ -40,7 +40,7 @@ from common import (CountdownError, RLArgs, arg, autocast, check_rl_args, cli, p
                     seed_everything)
 from data import load_tasks, make_prompt
 from logprobs import token_stats
-from loop import Run, StepStats, load_policy, mix_reference, step_seed
+from loop import Run, load_policy, mix_reference, step_seed
 from models import load_frozen
 from sampler import make_sampler, micro_batches
 from verifier import solve
@@ -190,8 +190,9 @@ def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
     log_r = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
     kl = log_r.exp() - 1 - log_r                                                       # (b, T-1) k3
     kl = ratio * kl if kl_ratio else kl
-    per_token = -surrogate + beta * kl
-    return (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1), {"kl": kl.detach()}
+    seq_mean = lambda x: (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # noqa: E731 (b,)
+    terms = {"pg": seq_mean(-surrogate), "kl": seq_mean(beta * kl)}  # StepStats.term_grads
+    return seq_mean(-surrogate + beta * kl), {"kl": kl.detach(), "terms": terms}
 
 
 # ---- which problems, and the teacher's explanations ----------------------------------------------
@@ -246,7 +247,7 @@ def rlt_metrics(ro, reward, r_ss, r_kl, penalized, expl_tokens):
             "train/penalized": sum(penalized) / n, "train/reward_std": reward.std(1).mean(),
             "train/expl_len": expl_tokens / n,
             "train/resp_len": sum(map(len, ro.completion_ids)) / n,
-            "train/truncated": 1 - sum(ro.finished) / n}
+            "train/cut": 1 - sum(ro.finished) / n}  # stopped by the budget, not EOS
 
 
 def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
@@ -310,7 +311,7 @@ def main(argv=None):
         reward, r_ss, r_kl = score_fn(rep(batch_tasks), rep(sols), expl, pen)          # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
-        stats = StepStats(B * G, sum(map(len, ro.completion_ids)))
+        stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
         for rows, ids, attn, mask, old_logp in mbs:
             m = mask[:, 1:].float()                                                    # (b, T-1)
@@ -321,6 +322,7 @@ def main(argv=None):
                         token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
             loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device),
                                    args.beta, args.epsilon, args.kl_ratio)
+            stats.term_grads(parts["terms"], B * G)  # on diagnose steps: each term's own pull
             loss = loss.sum() / (B * G)  # 1/G Σ_i, mean over prompts
             loss.backward()
             stats.add("loss", loss.item())

@@ -22,7 +22,7 @@ def row(run):
             f"{evals[0]['eval/pass@4']:.2f} → {evals[-1]['eval/pass@4']:.2f}",
             f"{mean(steps[:5], 'train/accuracy'):.2f} → {mean(steps[-5:], 'train/accuracy'):.2f}",
             f"{mean(steps, 'train/zero_adv_groups'):.3f}",
-            f"{mean(steps[-5:], 'train/truncated'):.2f}",
+            f"{mean(steps[-5:], 'train/cut'):.2f}",
             f"{steps[-1]['train/curriculum_level']:.0f} / {steps[-1]['train/pool']:.0f}"
             if "train/curriculum_level" in steps[-1] else "—",
             f"{sum(0 < r < 1 for r in rates)} of {len(rates)}" if rates else "—",
@@ -31,7 +31,7 @@ def row(run):
 
 if __name__ == "__main__":
     head = ["run", "steps", "val pass@1 (start → end)", "val pass@4", "train acc (first 5 → last 5)",
-            "zero-adv groups", "truncated (last 5)", "tier / pool", "probed: sometimes", "wall s"]
+            "zero-adv groups", "cut at budget (last 5)", "tier / pool", "probed: sometimes", "wall s"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for run in sys.argv[1:]:
         print("| " + " | ".join(map(str, row(run))) + " |")

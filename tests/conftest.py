@@ -23,3 +23,12 @@ def tiny_ckpt(tmp_path_factory):
     tok = M.build_tiny_tokenizer()
     save_checkpoint(M.build_tiny_model(tok), tok, out)
     return out
+
+
+def gap_bound(bf16, vllm=False):
+    """The weight-sync canary's bound (train/sampler_gap: mean |sampler − trainer| log-prob) for a
+    trainer computing in bf16 or fp32 beside an fp32 sampler. fp32: float noise (measured ~2e-7 with
+    the HF sampler; vLLM's own kernels: 1e-4). bf16: the trainer's rounding, measured 6e-4 to 1.1e-3
+    on the tiny model and 1.9e-3 on the pipeline's SFT model, while a sampler one step stale at lr
+    1e-3 is 0.2 off (tests/test_rl_signal.py): 1e-2 tells the two apart."""
+    return 1e-2 if bf16 else (1e-4 if vllm else 1e-5)

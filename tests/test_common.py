@@ -327,3 +327,24 @@ def test_warmup_lr_ramps_linearly_then_holds_and_sets_every_group():
     assert got == pytest.approx([5e-5, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])
     assert [g["lr"] for g in opt.param_groups] == [2e-4, 2e-4]
     assert L.warmup_lr(opt, 3e-4, 1, 0) == 3e-4  # 0: constant from the first step (paper 000)
+
+
+def test_gradient_checkpointing_keeps_less_for_backward_with_the_same_gradients(tiny_ckpt):
+    """--gradient_checkpointing acts: load_policy leaves the model in train mode, where transformers
+    checkpoints its layers (from_pretrained's eval mode silently turned the flag off). Measured by
+    what autograd keeps for backward; the loss and every gradient stay the same."""
+    from loop import load_policy
+    out = {}
+    for flag in (False, True):
+        model, tok, _ = load_policy(tiny_ckpt, flag)
+        ids = torch.randint(0, len(tok), (4, 64), generator=torch.Generator().manual_seed(0))
+        ones = torch.ones_like(ids)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = -LP.token_stats(model, ids, ones, ones)["logp"].mean()
+        loss.backward()
+        out[flag] = sum(kept), loss.item(), [p.grad for p in model.parameters()]
+    assert out[True][0] < 0.5 * out[False][0], (out[True][0], out[False][0])
+    assert out[True][1] == pytest.approx(out[False][1], abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[True][2], out[False][2]))

@@ -14,7 +14,7 @@ import models as M
 import rloo
 import sampler as S
 from common import CountdownError
-from conftest import GEN, ROOT
+from conftest import GEN, ROOT, gap_bound
 from logprobs import pack, token_stats
 from loop import Run
 
@@ -171,7 +171,8 @@ def test_grpo_two_steps_with_every_exploration_knob_and_filter(tiny_ckpt, tmp_pa
                "--adaptive_temperature", "0.6,1.5", "--bottom_p", "0.9", "--bottom_p_freq", "0.5",
                "--output_dir", str(tmp_path)])
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["train/sampler_gap"] < 1e-3
+    bf16 = json.load(open(tmp_path / "args.json"))["train_compute"] == "bf16"
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["train/sampler_gap"] < gap_bound(bf16)
     assert "train/curriculum_level" not in rows[-1]  # one fixed tier: nothing to log
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import GEN, ROOT
+from conftest import GEN, ROOT, gap_bound
 
 import data as D
 import grpo
@@ -192,22 +192,29 @@ def test_score_rollouts_sparse_dense_and_wrong_reward():
         assert torch.equal(reward, torch.tensor([[1.0, wrong], [0.0, wrong]]))
 
 
+@pytest.mark.parametrize("bf16", ["0", "1"])
 @pytest.mark.parametrize("script", ["rloo.py", "grpo.py"])
-def test_two_steps_in_a_subprocess(script, tiny_ckpt, tmp_path):
-    extra = ["--num_iterations", "2", "--mask_truncated"] if script == "grpo.py" else []
+def test_two_steps_in_a_subprocess(script, bf16, tiny_ckpt, tmp_path):
+    """The command line end to end on both training paths: fp32, and bf16 autocast forced on (this
+    CPU may lack AVX512-BF16: slower, but the same code). The learning signal itself is checked in
+    tests/test_rl_signal.py, with a reward that is not always 0."""
+    extra = ["--num_iterations", "2"] if script == "grpo.py" else []
     r = subprocess.run([sys.executable, script, "--init", tiny_ckpt, *FAST, *extra, "--reward", "dense",
-                        "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+                        "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "COUNTDOWN_CPU_BF16": bf16})
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/pass@1" in rows[0] and "eval/pass@2" in rows[-1]
     keys = {"train/loss", "train/reward", "train/accuracy", "train/reward_std", "train/adv_std", "train/zero_adv_groups",
-            "train/resp_len", "train/entropy", "train/kl", "train/sampler_gap", "train/grad_norm", "time/sample",
-            "time/update"}
+            "train/resp_len", "train/no_answer", "train/cut", "train/entropy", "train/kl", "train/sampler_gap",
+            "train/grad_norm", "time/sample", "time/update", "grad/pg", "grad/kl"}
     keys |= {"train/ratio", "train/ratio_max"} if script == "grpo.py" else \
-        {"train/is_weight", "train/is_weight_raw", "train/is_weight_raw_max"}
+        {"train/is_weight", "train/is_weight_raw", "train/is_weight_raw_max", "grad/entropy"}
     assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())
-    # the HF sampler is the policy: its log-probs must agree
-    assert rows[-1]["train/sampler_gap"] < 1e-3
+    assert "grad/pg" in rows[1]  # the first step and every evaluating one measure the terms
+    # the HF sampler is the policy: its log-probs must agree, to the trainer's precision
+    assert rows[-1]["train/sampler_gap"] < gap_bound(bf16 == "1")
+    assert json.load(open(tmp_path / "args.json"))["train_compute"] == ("bf16" if bf16 == "1" else "fp32")
     assert {"config.json", "model.safetensors", "tokenizer.json", "args.json"} <= set(os.listdir(tmp_path))
 
 
@@ -224,14 +231,17 @@ def test_fixed_seed_is_deterministic_on_cpu(module, tiny_ckpt, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-def test_grpo_reference_stays_frozen_and_syncs_when_asked(tiny_ckpt, tmp_path):
+def test_grpo_reference_stays_frozen_and_syncs_when_asked(tiny_ckpt, tmp_path, monkeypatch):
+    """No weight decay and a scripted reward that is not always 0: only a live GRPO gradient moves the
+    policy, and it must, while π_ref stays the init; a sync with mix 1 makes π_ref a copy."""
+    from test_rl_signal import ONE_STEP, fake_score_rollouts
+    monkeypatch.setattr(grpo, "score_rollouts", fake_score_rollouts)
     init, _ = M.load_model(tiny_ckpt)
-    # an untrained model earns no reward, so weight decay is what moves the policy here
-    model, ref = grpo.main(["--init", tiny_ckpt, *FAST, "--weight_decay", "0.1", "--output_dir", str(tmp_path / "a")])
+    model, ref = grpo.main(["--init", tiny_ckpt, *ONE_STEP, "--beta", "0.04", "--output_dir", str(tmp_path / "a")])
     assert all(torch.equal(p0, p) for p0, p in zip(init.parameters(), ref.parameters()))
     assert any(not torch.equal(p0, p) for p0, p in zip(init.parameters(), model.parameters()))
-    model, ref = grpo.main(["--init", tiny_ckpt, *FAST, "--weight_decay", "0.1", "--ref_sync_every", "2", "--ref_sync_mix", "1.0",
-                            "--output_dir", str(tmp_path / "b")])
+    model, ref = grpo.main(["--init", tiny_ckpt, *ONE_STEP, "--beta", "0.04", "--ref_sync_every", "1",
+                            "--ref_sync_mix", "1.0", "--output_dir", str(tmp_path / "b")])
     # mix 1: a copy
     assert all(torch.equal(p_ref, p) for p_ref, p in zip(ref.parameters(), model.parameters()))
 
@@ -264,17 +274,19 @@ def sft_model(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("module", [rloo, grpo])
 def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
-    """The learning check: on 32 problems seen every step, training accuracy must climb (measured
-    here: 0.15 -> 0.25 in 20 steps from this half-trained model, 0.35 -> 0.65 from the
-    pipeline's). New problems every step do not move it as much on the tiny model: README, "RL"."""
+    """The learning check, with the RL flags run_cpu.sh gives its rloo and grpo stages (its RL=(...)
+    array: lr, temperature, batch geometry, budget, reward of a wrong answer; grpo adds β 0.04): on
+    32 problems seen every step, training accuracy must climb. New problems every step do not move
+    it as much on the tiny model: docs/arithmetic.md."""
     tasks = D.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"nums": t["nums"], "target": t["target"]}) + "\n" for t in tasks))
-    # what the check was measured with
-    pipeline = ["--temperature", "1.0", "--beta", "0.04"] if module is grpo else []
-    module.main(["--init", sft_model, *pipeline, "--data", str(data), "--eval_data", GEN, "--template", "compact", "--eval_problems", "4",
-                 "--eval_samples", "2", "--eval_max_new_tokens", "8", "--batch_size", "32", "--group_size", "8",
-                 "--micro_batch", "128", "--max_response_len", "160", "--max_steps", "20", "--lr", "1e-4",
-                 "--output_dir", str(tmp_path / "rl")])
+    rl = subprocess.run(["bash", "-c", 'eval "$(sed -n "/^RL=(/,/)/p" run_cpu.sh)"; printf "%s\\n" "${RL[@]}"'],
+                        cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert "--lr" in rl and "--wrong_reward" in rl, rl
+    pipeline = rl + (["--beta", "0.04"] if module is grpo else [])
+    module.main(["--init", sft_model, *pipeline, "--data", str(data), "--eval_data", GEN, "--template", "compact",
+                 "--eval_problems", "4", "--eval_samples", "2", "--eval_max_new_tokens", "8", "--max_steps", "20",
+                 "--eval_every", "0", "--output_dir", str(tmp_path / "rl")])
     acc = [r["train/accuracy"] for r in map(json.loads, open(tmp_path / "rl" / "metrics.jsonl")) if r["step"] > 0]
     assert sum(acc[-4:]) / 4 > sum(acc[:4]) / 4 + 0.05, acc
