@@ -25,7 +25,8 @@ CONFIGS = [  # (name, script, flags)
     ("RLOO, λ_H 1e-3", rloo, []),
     ("RLOO, λ_H 1e-2", rloo, ["--entropy_coef", "1e-2"]),
     ("OPD, λ_H 1e-3, T 1.0", opd, []),
-    ("OPD anti-collapse, λ_H 1e-2, T 1.3", opd, ["--entropy_coef", "1e-2", "--kd_temperature", "1.3"]),
+    ("OPD anti-collapse, λ_H 1e-2, T 1.3", opd,
+     ["--entropy_coef", "1e-2", "--kd_temperature", "1.3"]),
 ]
 
 
