@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # The embedded pipeline on a CPU, stage by stage (papers 000 and 004 in miniature). Every command is
 # printed before it runs, so you can copy it (and swap the flags for the papers' defaults) to a GPU.
-#   ./run_cpu.sh [--force] [OUT_DIR]   default out/cpu; a finished stage (OUT_DIR/NAME/wall_seconds) is
-#                                      skipped and a killed one resumed from its last state; --force reruns all
+#   ./run_cpu.sh [--force] [--rebuild-base] [OUT_DIR]
+#       OUT_DIR defaults to out/cpu; a finished stage (OUT_DIR/NAME/wall_seconds) is skipped and a killed one
+#       resumed from its last state; --force reruns all; --rebuild-base trains the base model here instead of
+#       copying the shipped one (pretrained/tiny-base, this script's own base stage: stage 0 below)
 #   RLT_CONTROL=1 ./run_cpu.sh          also RLT's control: a student of the untrained teacher (+2.5 min here)
 # At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
 set -euo pipefail
 cd "$(dirname "$0")"
 FORCE=${FORCE:-}
 RLT_CONTROL=${RLT_CONTROL:-}
-if [[ ${1:-} == --force ]]; then FORCE=1; shift; fi
+REBUILD_BASE=${REBUILD_BASE:-}
+while [[ ${1:-} == --* ]]; do
+  case $1 in --force) FORCE=1;; --rebuild-base) REBUILD_BASE=1;; *) echo "unknown flag $1" >&2; exit 2;; esac
+  shift
+done
 OUT=${1:-out/cpu}
 mkdir -p "$OUT"
 
@@ -46,9 +52,17 @@ stage() {  # stage NAME COMMAND...: run unless finished before; record its wall 
 # 0. The base model, the analog of pretraining: a tiny Qwen2 from scratch learns arithmetic by plain next-token
 #    training on random computation paths over the task's numbers, written as the traces write steps (no prompt,
 #    every token a target). 2,000 steps: greedy step error 1.6% (1,200: 5.8%; docs/arithmetic.md). Like a hub
-#    model it is built once (23 min on 2 cores without AVX512-BF16): a later run on the same OUT_DIR reuses it
-stage base python sft.py --init tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
-  --batch_size 64 --micro_batch 64 --max_steps 2000 --eval_every 500 --save_every 500 --output_dir "$OUT/base"
+#    model it is downloaded, not trained, by default: pretrained/tiny-base is this stage's output, built by the
+#    command below (its README says where and how well). --rebuild-base runs that command here instead (about 6 min
+#    on 2 cores with AVX512-BF16, 25 without)
+if [[ -n $REBUILD_BASE ]]; then
+  [[ -f $OUT/base/wall_seconds && $(cat "$OUT/base/wall_seconds") == 0 ]] && rm -rf "$OUT/base"  # a copy: train
+  stage base python sft.py --init tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
+    --batch_size 64 --micro_batch 64 --max_steps 2000 --eval_every 500 --save_every 500 --output_dir "$OUT/base"
+elif [[ -n $FORCE || ! -f $OUT/base/wall_seconds ]]; then
+  echo "+ cp -r pretrained/tiny-base $OUT/base    # the shipped base; --rebuild-base trains it as above"
+  rm -rf "$OUT/base" && cp -r pretrained/tiny-base "$OUT/base" && echo 0 > "$OUT/base/wall_seconds"
+fi
 
 # 1. SFT from the base on solver-written traces (000 §3.2 Eq. 1): random tries until one reaches the target,
 #    a mean of one dead end and no cap; each try writes the target beside its value before the verdict ("found").

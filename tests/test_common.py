@@ -348,3 +348,20 @@ def test_gradient_checkpointing_keeps_less_for_backward_with_the_same_gradients(
     assert out[True][0] < 0.5 * out[False][0], (out[True][0], out[False][0])
     assert out[True][1] == pytest.approx(out[False][1], abs=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[True][2], out[False][2]))
+
+
+def test_the_shipped_base_is_run_cpu_sh_base_stage_output():
+    """pretrained/tiny-base is what `run_cpu.sh --rebuild-base` trains: its args.json holds stage 0's
+    flags as the script writes them today, on the model and tokenizer `--init tiny` builds. So copying
+    it (the default, like downloading a pretrained model) changes the time, not the recipe."""
+    import re
+    base = os.path.join(ROOT, "pretrained", "tiny-base")
+    args = json.load(open(os.path.join(base, "args.json")))
+    script = open(os.path.join(ROOT, "run_cpu.sh")).read()
+    command = script[script.index("stage base python sft.py"):].split("\nelif")[0]
+    flags = dict(re.findall(r"--(\w+) ([\w.-]+)", command))
+    assert args["init"] == "tiny" and args["data"].startswith("arith:") and len(flags) >= 7
+    assert all(float(args[k]) == float(v) for k, v in flags.items() if k not in ("init", "output_dir")), flags
+    model, tok = M.load_model(base)
+    assert tok.get_vocab() == M.build_tiny_tokenizer().get_vocab()
+    assert all(getattr(model.config, k) == v for k, v in M.TINY.items())
