@@ -73,7 +73,7 @@ class StepStats:
     def __init__(self, n_rows, n_tokens, model=None):
         self.n_rows, self.n_tokens = n_rows, max(n_tokens, 1)
         self.sums, self.maxima, self.gap = {}, {}, 0.0
-        self.params = [p for p in model.parameters() if p.requires_grad] if model else []
+        self.params = [] if model is None else [p for p in model.parameters() if p.requires_grad]
         self.grads = {}  # term -> its gradient, summed over micro-batches
 
     def add(self, name, value):
