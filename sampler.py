@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common import CountdownError
 from data import make_prompt
@@ -105,59 +106,165 @@ class HFSampler:
         return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
 
     def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p, bottom_p_freq):
-        eos, dev = self.tok.eos_token_id, self.model.device
-        P = max(map(len, rows))
-        ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)  # (b, P)
-        attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                         logits_to_keep=1)
-        b = len(rows)
-        toks = torch.full((b, max_new_tokens), eos, device=dev)  # (b, L)
-        lps = torch.zeros(b, max_new_tokens, device=dev)
-        lengths = torch.zeros(b, dtype=torch.long, device=dev)
-        # which of the b rows the running batch (and its cache) holds
-        live = torch.arange(b, device=dev)
-        # live rows that have not produced EOS yet
-        active = torch.ones(b, dtype=torch.bool, device=dev)
-        for t in range(max_new_tokens):
-            logits = out.logits[:, -1]  # (live, V)
-            # a blown-up model: say so, not a sampling error
-            if t == 0 and not torch.isfinite(logits).all():
-                raise CountdownError("the model's logits are not finite: its weights have "
-                                     "blown up (too large an --lr?)")
-            if temperature == 0:
-                tok = logits.argmax(-1)
-            else:
-                # which rows cut their head this token (drawn only if bottom-p is on)
-                explore = None
-                if bottom_p < 1.0:
-                    explore = torch.rand(len(logits), generator=gen, device=dev) < bottom_p_freq
-                tok = _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore),
-                              gen)
-            rows_t = live[active]
-            toks[rows_t, t] = tok[active]
+        eos, L = self.tok.eos_token_id, max_new_tokens
+        decoder, head = _decoder_parts(self.model)
+        logits, cache, bias, pos, rope = _prefill(decoder, head, rows, L, eos)
+        b, P, dev = len(rows), bias.shape[1] - L, logits.device
+        toks = torch.full((b, L), eos, device=dev)  # (b, L) by batch row; junk after a row's EOS
+        lps = torch.zeros(b, L, device=dev)
+        live = torch.arange(b, device=dev)  # which of the b rows the batch (and cache) holds
+        active = torch.ones(b, dtype=torch.bool, device=dev)  # live rows without an EOS yet
+        for t in range(L):
+            tok = _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)  # (live,)
+            toks[live, t] = tok
             # the trainer's token_stats(temperature=T)
-            tempered = logits[active].float() / (temperature or 1.0)
-            lps[rows_t, t] = torch.log_softmax(tempered, -1).gather(-1, tok[active, None])[:, 0]
-            lengths[rows_t] += 1
-            active = active & (tok != eos)
-            if not active.any():
+            tempered = logits.float() / (temperature or 1.0)
+            lps[live, t] = torch.log_softmax(tempered, -1).gather(-1, tok[:, None])[:, 0]
+            active &= tok != eos
+            n_active = int(active.sum())  # the step's one host sync
+            if n_active == 0 or t == L - 1:
                 break
-            # drop finished rows from the batch and its KV cache
-            if active.sum() <= 0.75 * len(live):
+            # drop finished rows from the batch and its KV cache: the kept rows' filled slots move
+            # to the front rows, in place
+            if n_active <= 0.75 * len(live):
                 keep = active.nonzero()[:, 0]
-                out.past_key_values.batch_select_indices(keep)
-                live, tok, attn, pos = live[keep], tok[keep], attn[keep], pos[keep]
-                active = active[keep]
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-            pos = pos[:, -1:] + 1
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
-                             past_key_values=out.past_key_values, use_cache=True)
-        finished = (toks.gather(1, (lengths - 1)[:, None])[:, 0] == eos).tolist()
-        lengths = lengths.tolist()
+                live, tok, active, pos, bias = (x[keep] for x in (live, tok, active, pos, bias))
+                cache[:, :, :n_active, :, :P + t] = cache[:, :, keep, :, :P + t]
+                cache = cache[:, :, :n_active]
+            pos = pos + 1
+            logits = head(_forward(decoder, tok[:, None], pos[:, None], rope, cache, P + t,
+                                   bias[:, :P + t + 1]))  # (live, V)
+        done = toks == eos  # (b, L)
+        finished = done.any(1)
+        lengths = torch.where(finished, done.int().argmax(1) + 1, L).tolist()  # through the EOS
         return ([x[:k] for x, k in zip(toks.tolist(), lengths)],
-                [x[:k] for x, k in zip(lps.tolist(), lengths)], finished)
+                [x[:k] for x, k in zip(lps.tolist(), lengths)], finished.tolist())
+
+
+def _prefill(decoder, head, rows, L, eos):
+    """The prompts `rows` (token-id lists) left-padded to the longest, P, and run through the
+    decoder: (logits (b, V) of their last tokens, the KV cache with their P slots filled and L
+    free, the attention bias (b, P + L), each row's last position (b,), the RoPE table). generate()
+    repeats each prompt n times: each distinct prompt runs once, its keys and values are then
+    copied to every row that shares it."""
+    dev = decoder.embed_tokens.weight.device
+    prompts = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, rows)))}
+    which = torch.tensor([prompts[tuple(r)] for r in rows], device=dev)  # (b,) row -> prompt
+    b, u, P = len(rows), len(prompts), max(map(len, rows))
+    ids = torch.tensor([[eos] * (P - len(p)) + list(p) for p in prompts], device=dev)  # (u, P)
+    attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P) a row's first real token is at 0
+    rope = _rope_table(decoder, P + L, dev)
+    cache = _new_cache(decoder, b, P + L, dev)
+    # added to the attention scores: -inf at a row's padding, 0 at its prompt and at every slot
+    # it generates (attention reads only the slots written so far)
+    bias = torch.zeros(u, P + L, dtype=cache.dtype, device=dev)
+    bias[:, :P].masked_fill_(attn == 0, float("-inf"))
+    logits = head(_forward(decoder, ids, pos, rope, cache[:, :, :u], 0, bias[:, :P]))  # (u, V)
+    # a blown-up model: say so, not a sampling error
+    if not torch.isfinite(logits).all():
+        raise CountdownError("the model's logits are not finite: its weights have blown up (too "
+                             "large an --lr?)")
+    cache[..., :P, :] = cache[:, :, which, :, :P]  # from the first u rows to all b
+    return logits[which], cache, bias[which], pos[which, -1], rope
+
+
+def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
+    """The next token of each row of logits (N, V): argmax at T = 0, else a draw from the filtered
+    distribution; bottom-p's coin flips come from `gen` first, then the draw. (N,)"""
+    if temperature == 0:
+        return logits.argmax(-1)
+    # which rows cut their head this token (drawn only if bottom-p is on)
+    explore = None
+    if bottom_p < 1.0:
+        explore = torch.rand(len(logits), generator=gen, device=logits.device) < bottom_p_freq
+    return _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
+
+
+# ---- the decoder, step by step: the model's own modules and a preallocated KV cache --------------
+def _decoder_parts(model):
+    """(decoder, lm_head) of a Qwen2 or Llama causal LM, or of a peft model around one: the
+    architectures whose forward _forward() repeats (full attention, RoPE fixed by position)."""
+    cfg = model.config
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if (cfg.model_type not in ("qwen2", "llama") or layer_types != {"full_attention"}
+            or rope_type in ("dynamic", "longrope")):
+        raise CountdownError(
+            "the HF sampler decodes Qwen2 and Llama models with full attention and a static RoPE, "
+            f"not this {cfg.model_type} (layers {sorted(layer_types)}, RoPE {rope_type}): "
+            "use --backend vllm")
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+def _rope_table(decoder, S, dev):
+    """cos and sin (S, d) of positions 0..S-1 from the model's rotary embedding, sin with its first
+    half negated: then RoPE is x·cos + roll(x, d/2)·sin, which is transformers' x·cos +
+    rotate_half(x)·sin with rotate_half(x) = (-x2, x1) written as one roll."""
+    x = decoder.embed_tokens.weight[:1]  # the dtype the rotary embedding returns follows its input
+    cos, sin = (c[0] for c in decoder.rotary_emb(x, torch.arange(S, device=dev)[None]))
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[:, :half], sin[:, half:]], -1)
+
+
+def _new_cache(decoder, b, S, dev):
+    """Keys and values of every layer, (layers, 2, b, n_kv_heads, S, head_dim), allocated once per
+    batch and written in place at each token's slot. In bf16 under autocast (sampling inside a
+    trainer's autocast on a GPU), where the projections give bf16."""
+    attn = decoder.layers[0].self_attn
+    dtype = decoder.embed_tokens.weight.dtype
+    if torch.is_autocast_enabled(dev.type):
+        dtype = torch.get_autocast_dtype(dev.type)
+    shape = (len(decoder.layers), 2, b, decoder.config.num_key_value_heads, S, attn.head_dim)
+    return torch.empty(shape, dtype=dtype, device=dev)  # every slot is written before it is read
+
+
+def _forward(decoder, ids, pos, rope, cache, start, bias):
+    """The final-norm hidden state (b, D) of the last of `ids` (b, T), at positions `pos` (b, T),
+    after writing their keys and values into `cache` at slots start..start+T-1. `bias` (b,
+    start+T): 0 at the slots a row may attend to, -inf at its left padding."""
+    b, T = ids.shape
+    S, Hkv = bias.shape[1], cache.shape[3]
+    g = decoder.config.num_attention_heads // Hkv  # query heads per KV head
+    cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]  # (b, 1, T, d)
+    bias = bias[:, None, :].expand(b, T, S)  # (b, T, S)
+    if T > 1:  # a prompt, from slot 0: causal too, and padding attends to itself, not to nothing
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()  # (T, T)
+        bias = bias.masked_fill(~causal, float("-inf"))
+        bias = bias.masked_fill(torch.eye(T, dtype=torch.bool, device=ids.device), 0.0)
+    # in the attention scores' layout, (b·Hkv, g·T, S): see _attention
+    bias = bias[:, None, None].expand(b, Hkv, g, T, S).reshape(b * Hkv, g * T, S)
+    h = decoder.embed_tokens(ids)  # (b, T, D)
+    for layer, kv in zip(decoder.layers, cache):
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, kv, start, bias)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return decoder.norm(h[:, -1])
+
+
+def _attention(attn, x, cos, sin, kv, start, bias):
+    """One layer's self-attention of x (b, T, D) over the cache `kv` (2, b, Hkv, S, d), its own
+    keys and values written in first, `bias` added to the scores. Two batched matmuls over the
+    cache in place, one batch entry per KV head of a row: the g query heads sharing that KV head
+    (adjacent, as transformers' repeat_kv orders them) are g·T query rows of the entry, so
+    grouped-query attention copies no keys. (torch's fused attention took 2-3x longer here on a
+    CPU: it solves one tiny problem per row and head.) (b, T, D)"""
+    b, T, _ = x.shape
+    d, Hkv, end = attn.head_dim, kv.shape[2], start + T
+    q = attn.q_proj(x).view(b, T, -1, d).transpose(1, 2)  # (b, H, T, d)
+    k = attn.k_proj(x).view(b, T, Hkv, d).transpose(1, 2)  # (b, Hkv, T, d)
+    kv[0, :, :, start:end] = _rope(k, cos, sin)
+    kv[1, :, :, start:end] = attn.v_proj(x).view(b, T, Hkv, d).transpose(1, 2)
+    q = _rope(q, cos, sin).reshape(bias.shape[0], -1, d)  # (b·Hkv, g·T, d)
+    keys, values = kv[:, :, :, :end].flatten(1, 2)  # (b·Hkv, S, d) each
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=attn.scaling)  # (b·Hkv, g·T, S)
+    o = torch.bmm(scores.softmax(-1), values)  # (b·Hkv, g·T, d)
+    return attn.o_proj(o.view(b, -1, T, d).transpose(1, 2).reshape(b, T, -1))
+
+
+def _rope(x, cos, sin):
+    """Rotary position embedding of x (b, h, T, d); cos, sin (b, 1, T, d) from _rope_table."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 # ---- the vLLM backend ----------------------------------------------------------------------------

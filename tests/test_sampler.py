@@ -1,0 +1,161 @@
+"""HFSampler's decode loop (the model's own modules, a preallocated KV cache): its logits are the
+model's, its log-probs the trainer's, its draws the loop's it replaced (benchmarks/sampler_speed.py
+keeps that loop as the reference), with and without LoRA."""
+import os
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+import data as D
+import loop
+import models as M
+import sampler as S
+from common import CountdownError
+from logprobs import token_stats
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from sampler_speed import OldHFSampler  # noqa: E402
+
+# three prompt lengths: the batch is left-padded
+PROMPTS = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7, 1], 99, "compact"),
+           "User: 1 2"]
+
+
+def tiny(eos_logit=0.0, seed=0, **overrides):
+    """A tiny random Qwen2 (fp32, eval) and its tokenizer; with `eos_logit`, the EOS row of the
+    (tied) head points along the mean hidden state (as tests/test_common.py does), so EOS gets a
+    logit of about that much and rows finish at different steps."""
+    torch.manual_seed(seed)
+    tok = M.build_tiny_tokenizer()
+    model = M.build_tiny_model(tok, **overrides).eval()
+    if eos_logit:
+        with torch.no_grad():
+            ids = torch.tensor([tok(PROMPTS[0])["input_ids"]])
+            h = model.get_decoder()(input_ids=ids).last_hidden_state.mean((0, 1))
+            model.get_output_embeddings().weight[tok.eos_token_id] = eos_logit * h / h.norm() ** 2
+    return model, tok
+
+
+def last_logits(model, ids):
+    """The logits after `ids` (one row, no padding) by a plain full forward, no cache. (V,)"""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def assert_logprobs_are_the_trainers(model, tok, ro, temperature):
+    rows = list(range(len(ro.completion_ids)))
+    ids, attn, mask, sampler_lp = S.rollout_batch(ro, rows, tok.pad_token_id)
+    with torch.no_grad():
+        logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
+    sel = mask[:, 1:].bool()
+    assert sel.sum() == sum(map(len, ro.logprobs))
+    assert (logp - sampler_lp)[sel].abs().max() < 1e-5
+
+
+def test_decode_logits_equal_a_full_forward_with_padding_and_dropped_rows(monkeypatch):
+    """Every step's logits, for every row the batch holds, equal a full forward of that row's
+    prompt and tokens so far (no padding, no cache). The tokens come from a script, in which rows
+    0 and 1 end at step 1 (4 of 6 left: the batch drops them) and row 3 at step 3 (3 of 4 left:
+    dropped too); a sharp random model (init std 0.1) so that positions matter."""
+    model, tok = tiny(initializer_range=0.1)
+    eos, L, n = tok.eos_token_id, 8, 2
+    script = torch.randint(eos + 1, len(tok), (6, L), generator=torch.Generator().manual_seed(0))
+    script[0, 1] = script[1, 1] = script[3, 3] = eos
+    live, active, seen = list(range(6)), [True] * 6, []  # mirrors the sampler's batch
+
+    def pick(logits, *_):
+        t = len(seen)
+        assert len(logits) == len(live)  # the rows it holds: finished ones leave as designed
+        seen.append({r: logits[i] for i, r in enumerate(live)})
+        for r in live:
+            active[r] &= bool(script[r, t] != eos)
+        toks = script[live, t]
+        if sum(active[r] for r in live) <= 0.75 * len(live):
+            live[:] = [r for r in live if active[r]]
+        return toks
+
+    monkeypatch.setattr(S, "_pick", pick)
+    ro = S.HFSampler(model, tok).generate(PROMPTS, n, 1.0, max_new_tokens=L)
+    assert [len(s) for s in seen] == [6, 6, 4, 4, 3, 3, 3, 3]
+    for t, logits in enumerate(seen):
+        for r, row_logits in logits.items():
+            prefix = ro.prompt_ids[r // n] + script[r, :t].tolist()
+            assert torch.allclose(row_logits, last_logits(model, prefix), atol=1e-5), (t, r)
+    ends = [2, 2, L, 4, L, L]  # through the EOS, or all L tokens
+    assert ro.completion_ids == [script[r, :k].tolist() for r, k in enumerate(ends)]
+    assert ro.finished == [k < L for k in ends]
+
+
+@pytest.mark.parametrize("temperature,eos_logit", [(0.7, 2.0), (1.5, 4.0)])
+def test_sampled_logprobs_match_the_trainers_forward(temperature, eos_logit):
+    """Log-probs of softmax(logits / T) of the sampled tokens equal token_stats(temperature=T) on
+    the same rows, to 1e-5 in fp32; with rows of different lengths, some finished early."""
+    model, tok = tiny(eos_logit)
+    ro = S.HFSampler(model, tok, batch_size=8).generate(PROMPTS, 6, temperature,
+                                                        max_new_tokens=24, seed=1)
+    assert 0 < sum(ro.finished) < len(ro.finished)
+    assert_logprobs_are_the_trainers(model, tok, ro, temperature)
+
+
+# an EOS logit per case that ends some rows early and not others
+@pytest.mark.parametrize("eos_logit,options", [
+    (2.0, dict(temperature=0.7)),
+    (0.5, dict(temperature=0.6, top_p=0.95, top_k=20)),
+    (3.5, dict(temperature=1.0, bottom_p=0.5, bottom_p_freq=0.5)),
+    (0.8, dict(temperature=0.0)),
+])
+def test_same_seed_gives_the_old_loops_tokens(eos_logit, options):
+    """The same seed draws the same tokens as the loop it replaced (the transformers forward with
+    its DynamicCache), with the same log-probs and stops: the generator is used in the same order
+    and the arithmetic agrees closely enough that no draw flips."""
+    model, tok = tiny(eos_logit)
+    new, old = (cls(model, tok, batch_size=8).generate(PROMPTS, 6, max_new_tokens=24, seed=2,
+                                                       **options)
+                for cls in (S.HFSampler, OldHFSampler))
+    assert 0 < sum(new.finished) < len(new.finished)
+    assert new.completion_ids == old.completion_ids and new.finished == old.finished
+    assert new.texts == old.texts
+    for a, b in zip(new.logprobs, old.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+
+
+def test_lora_model_samples_through_its_adapters(tiny_ckpt):
+    """A peft model with trained (nonzero) adapters: its samples carry its own log-probs (not the
+    base model's), and the tokens are the old loop's."""
+    model, _, _ = loop.load_policy(tiny_ckpt, False, lora_rank=4)
+    tok = M.build_tiny_tokenizer()
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.2)
+    model.eval()
+    ro = S.HFSampler(model, tok).generate(PROMPTS, 3, 0.7, max_new_tokens=16, seed=0)
+    assert_logprobs_are_the_trainers(model, tok, ro, 0.7)
+    with model.disable_adapter():  # the adapters change the log-probs: they were used
+        with pytest.raises(AssertionError):
+            assert_logprobs_are_the_trainers(model, tok, ro, 0.7)
+    old = OldHFSampler(model, tok).generate(PROMPTS, 3, 0.7, max_new_tokens=16, seed=0)
+    assert ro.completion_ids == old.completion_ids
+
+
+def test_llama_decodes_too_and_other_models_are_refused():
+    """Llama (no q/k/v biases) goes through the same loop; another architecture gets one line
+    naming what is supported; a blown-up model, the non-finite-logits error."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    tok = M.build_tiny_tokenizer()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, initializer_range=0.2)).eval()
+    ro = S.HFSampler(llama, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=12, seed=0)
+    assert_logprobs_are_the_trainers(llama, tok, ro, 1.0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(CountdownError, match="Qwen2 and Llama"):
+        S.HFSampler(gpt2, tok).generate(PROMPTS, 1, max_new_tokens=2)
+    model, _ = tiny()
+    with torch.no_grad():
+        model.get_decoder().norm.weight[0] = float("nan")
+    with pytest.raises(CountdownError, match="not finite"):
+        S.HFSampler(model, tok).generate(PROMPTS, 1, max_new_tokens=2)
