@@ -30,6 +30,9 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # largest stable lr measured (5e-4, even after a 5-step warm-up, and 1e-3 wreck the policy; docs/arithmetic.md)
 RL=(--lr 2e-4 --temperature 0.7 --batch_size 32 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20
     --save_every 5 --wrong_reward -0.5)
+# RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
+# drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/loss_terms.md)
+PG=(--pg_norm mean)
 
 stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
   local name=$1; shift
@@ -83,7 +86,7 @@ stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"
 
 # 4. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs
-stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --output_dir "$OUT/rloo"
+stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" --output_dir "$OUT/rloo"
 
 # 5. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model.
 #    Rollouts at T 0.7 like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001)
@@ -91,13 +94,14 @@ stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_si
   --output_dir "$OUT/grpo"
 
 # 6. On-policy distillation from the teacher, hybrid with RLOO (000 Eq. 4, Algorithm 1): same geometry and steps
-stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" --output_dir "$OUT/opd"
+stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
+  --output_dir "$OUT/opd"
 
 # 7. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against
 #    its control: OPD run on for the same 20 steps with its knobs unchanged, so the table credits the knobs, not the steps
-stage opd_anticollapse python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" \
+stage opd_anticollapse python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
   --entropy_coef 1e-2 --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"
-stage opd_longer python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" \
+stage opd_longer python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
   --output_dir "$OUT/opd_longer"
 
 # 8. RLT (004): first the teacher's short SFT in its own format (004 §A.1: the solution in the prompt, a solver

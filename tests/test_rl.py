@@ -1,6 +1,8 @@
 import json
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -275,16 +277,17 @@ def sft_model(tmp_path_factory):
 @pytest.mark.parametrize("module", [rloo, grpo])
 def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     """The learning check, with the RL flags run_cpu.sh gives its rloo and grpo stages (its RL=(...)
-    array: lr, temperature, batch geometry, budget, reward of a wrong answer; grpo adds β 0.04): on
-    32 problems seen every step, training accuracy must climb. New problems every step do not move
-    it as much on the tiny model: docs/arithmetic.md."""
+    array: lr, temperature, batch geometry, budget, reward of a wrong answer; rloo adds PG=(...),
+    grpo β 0.04): on 32 problems seen every step, training accuracy must climb. New problems every
+    step do not move it as much on the tiny model: docs/arithmetic.md."""
     tasks = D.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"nums": t["nums"], "target": t["target"]}) + "\n" for t in tasks))
-    rl = subprocess.run(["bash", "-c", 'eval "$(sed -n "/^RL=(/,/)/p" run_cpu.sh)"; printf "%s\\n" "${RL[@]}"'],
-                        cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    assert "--lr" in rl and "--wrong_reward" in rl, rl
-    pipeline = rl + (["--beta", "0.04"] if module is grpo else [])
+    script = open(os.path.join(ROOT, "run_cpu.sh")).read()
+    flags = {name: shlex.split(re.search(rf"^{name}=\((.*?)\)", script, re.S | re.M).group(1))
+             for name in ("RL", "PG")}
+    assert "--lr" in flags["RL"] and "--wrong_reward" in flags["RL"] and "--pg_norm" in flags["PG"], flags
+    pipeline = flags["RL"] + (["--beta", "0.04"] if module is grpo else flags["PG"])
     module.main(["--init", sft_model, *pipeline, "--data", str(data), "--eval_data", GEN, "--template", "compact",
                  "--eval_problems", "4", "--eval_samples", "2", "--eval_max_new_tokens", "8", "--max_steps", "20",
                  "--eval_every", "0", "--output_dir", str(tmp_path / "rl")])
