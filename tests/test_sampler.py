@@ -1,6 +1,6 @@
-"""HFSampler's decode loop (the model's own modules, a preallocated KV cache): its logits are the
-model's, its log-probs the trainer's, its draws the loop's it replaced (benchmarks/sampler_speed.py
-keeps that loop as the reference), with and without LoRA."""
+"""HFSampler's decode loop (the model's own modules, a KV cache written in place): its logits are
+the model's, its log-probs the trainer's, its draws the loop's it replaced
+(benchmarks/sampler_speed.py keeps that loop as the reference), with and without LoRA."""
 import os
 import sys
 
@@ -54,13 +54,17 @@ def assert_logprobs_are_the_trainers(model, tok, ro, temperature):
     assert (logp - sampler_lp)[sel].abs().max() < 1e-5
 
 
-def test_decode_logits_equal_a_full_forward_with_padding_and_dropped_rows(monkeypatch):
+@pytest.mark.parametrize("slots", [3, S._KVCache.R])
+def test_decode_logits_equal_a_full_forward_with_padding_and_dropped_rows(monkeypatch, slots):
     """Every step's logits, for every row the batch holds, equal a full forward of that row's
     prompt and tokens so far (no padding, no cache). The tokens come from a script, in which rows
     0 and 1 end at step 1 (4 of 6 left: the batch drops them) and row 3 at step 3 (3 of 4 left:
-    dropped too); a sharp random model (init std 0.1) so that positions matter."""
-    model, tok = tiny(initializer_range=0.1)
-    eos, L, n = tok.eos_token_id, 8, 2
+    dropped too); a random model with init std 0.05 (2.5x the default), so that positions matter.
+    The cache's written-in-place part holds `slots` tokens before it is appended to the rest: 3,
+    so that appends and drops interleave, and the default, reached at step 32."""
+    monkeypatch.setattr(S._KVCache, "R", slots)
+    model, tok = tiny(initializer_range=0.05)
+    eos, L, n = tok.eos_token_id, 40, 2
     script = torch.randint(eos + 1, len(tok), (6, L), generator=torch.Generator().manual_seed(0))
     script[0, 1] = script[1, 1] = script[3, 3] = eos
     live, active, seen = list(range(6)), [True] * 6, []  # mirrors the sampler's batch
@@ -78,7 +82,7 @@ def test_decode_logits_equal_a_full_forward_with_padding_and_dropped_rows(monkey
 
     monkeypatch.setattr(S, "_pick", pick)
     ro = S.HFSampler(model, tok).generate(PROMPTS, n, 1.0, max_new_tokens=L)
-    assert [len(s) for s in seen] == [6, 6, 4, 4, 3, 3, 3, 3]
+    assert [len(s) for s in seen] == [6, 6, 4, 4] + [3] * (L - 4)
     for t, logits in enumerate(seen):
         for r, row_logits in logits.items():
             prefix = ro.prompt_ids[r // n] + script[r, :t].tolist()
@@ -106,10 +110,12 @@ def test_sampled_logprobs_match_the_trainers_forward(temperature, eos_logit):
     (3.5, dict(temperature=1.0, bottom_p=0.5, bottom_p_freq=0.5)),
     (0.8, dict(temperature=0.0)),
 ])
-def test_same_seed_gives_the_old_loops_tokens(eos_logit, options):
+def test_same_seed_gives_the_old_loops_tokens(monkeypatch, eos_logit, options):
     """The same seed draws the same tokens as the loop it replaced (the transformers forward with
     its DynamicCache), with the same log-probs and stops: the generator is used in the same order
-    and the arithmetic agrees closely enough that no draw flips."""
+    and the arithmetic agrees closely enough that no draw flips. The cache's written-in-place part
+    holds 5 tokens, so that appends to the rest happen between the drops."""
+    monkeypatch.setattr(S._KVCache, "R", 5)
     model, tok = tiny(eos_logit)
     new, old = (cls(model, tok, batch_size=8).generate(PROMPTS, 6, max_new_tokens=24, seed=2,
                                                        **options)
