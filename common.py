@@ -122,6 +122,14 @@ class VerifierRLArgs(RLArgs):
     wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
                                    "the budget cuts many searches short, or the 0.1 pays for "
                                    "claiming success falsely (docs/arithmetic.md)")
+    no_answer_reward: float = arg(0.0, "sparse reward of a rollout without a complete answer (000: "
+                                       "0); at 0 with a negative --wrong_reward, a search cut "
+                                       "short beats a wrong answer, so the policy learns not to "
+                                       "answer (docs/strategies.md)")
+
+    def reward_options(self):
+        return {"reward": self.reward, "wrong_reward": self.wrong_reward,
+                "no_answer_reward": self.no_answer_reward}
 
 
 @dataclasses.dataclass

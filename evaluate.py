@@ -1,7 +1,9 @@
 """Evaluate a checkpoint on held-out Countdown with the papers' fixed sampler (paper 000 §4: T 0.6,
 top_p 0.95, top_k 20, 16 samples, 1024 new tokens), so that methods differ only in their weights.
 Reports pass@k with the unbiased estimator and the expected samples drawn by verifier-guided
-best-of-N with early stopping (paper 000 Eq. 5), 3- vs 4-number splits and the format rate. Writes
+best-of-N with early stopping (paper 000 Eq. 5), 3- vs 4-number splits, the format rate and each
+search strategy's share of the samples and pass rate (traces.strategy_of reads it from the
+text). Writes
 OUT/summary.json and OUT/samples.jsonl, the format other tools read; report.py turns a pipeline's
 evaluations into paper 000's Tables 1-2 and plots.
 
@@ -25,6 +27,7 @@ from data import load_tasks, make_prompt, read_jsonl
 from models import load_model
 from report import format_table, format_verification
 from sampler import HFSampler, make_sampler
+from traces import strategy_metrics, strategy_stats
 from verifier import _OPS, score
 
 
@@ -161,6 +164,7 @@ def summarize(records):
             "by_size": by_size, "pass_at_1_stderr": se,
             "format_rate": sum(s > 0 for s in scores) / len(scores),
             "arithmetic": arithmetic(texts, targets),
+            "strategies": strategy_stats(texts, [s for r in records for s in r["scores"]]),
             "verification": verification(correct, n, [len(r["nums"]) for r in records]),
             "best_of_n": {"accuracy": sum(c > 0 for c in correct) / len(correct),
                           "avg_samples": sum(expected_samples(n, c, n) for c in correct)
@@ -192,13 +196,16 @@ def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, s
         sampler.wake()
         sampler.sync(model)
     with torch.no_grad(), autocast(model.device.type):
-        summary, _ = evaluate(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens,
-                              template=template, seed=seed, sampler=sampler)
+        summary, records = evaluate(model, tokenizer, tasks, n_samples,
+                                    max_new_tokens=max_new_tokens, template=template, seed=seed,
+                                    sampler=sampler)
     if sampler is not None:
         sampler.sleep()
     model.train(was_training)
+    texts = [c for r in records for c in r["completions"]]
     return {"eval/format_rate": summary["format_rate"],
-            **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()}}
+            **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
+            **strategy_metrics("eval", texts, [s for r in records for s in r["scores"]])}
 
 
 def write_results(out, summary, records):

@@ -153,6 +153,23 @@ def parse_temperatures(adaptive, backend, bottom_p):
     return temps
 
 
+def row_temperatures(batch, G, T, T_easy_hard):
+    """002 §5.2's adaptive temperature: explore what the init fails, exploit what it solves. The
+    sampler's T (one per prompt, or T) and the trainer's (one per rollout (B*G,), or T)."""
+    if not T_easy_hard:
+        return T, T
+    per_prompt = [T_easy_hard[t["solve_rate"] < 0.5] for t in batch]
+    return per_prompt, torch.tensor(per_prompt).repeat_interleave(G)
+
+
+def loss_rows(ro, mask_truncated):
+    """Which rollouts the loss keeps (B*G,) and their response tokens: all, or with 002 §3's
+    --mask_truncated only those that ended (EOS) within the budget."""
+    keep = torch.tensor(ro.finished, dtype=torch.float32) if mask_truncated else \
+        torch.ones(len(ro.completion_ids))
+    return keep, sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)
+
+
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward, args.curriculum)
@@ -181,21 +198,15 @@ def main(argv=None):
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----
         batch = run.next_tasks(tasks, B, curriculum.pool())
-        T = args.temperature  # 002 §5.2: explore what the init fails, exploit what it solves
-        if T_easy_hard:
-            T = [T_easy_hard[t["solve_rate"] < 0.5] for t in batch]
+        T, T_rows = row_temperatures(batch, G, args.temperature, T_easy_hard)
         ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, T,
                       args.max_response_len, step_seed(args.seed, step), args.bottom_p,
                       args.bottom_p_freq)
-        T_rows = torch.tensor(T).repeat_interleave(G) if T_easy_hard else T         # (B*G,)
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, **args.reward_options())  # (B*G,), (B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
-        keep = torch.ones(B * G)                                                       # (B*G,)
-        if args.mask_truncated:  # 002 §3: rollouts cut at the budget leave the loss
-            keep = torch.tensor(ro.finished, dtype=torch.float32)
-        n_tok = sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)  # in the loss
+        keep, n_tok = loss_rows(ro, args.mask_truncated)  # (B*G,), response tokens in the loss
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----
         agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=n_tok,
                       max_len=args.max_response_len)  # (b, T-1), (b, T-1) -> share of L
@@ -205,7 +216,7 @@ def main(argv=None):
             for i, (rows, ids, attn, mask, old_logp) in enumerate(mbs):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
-                    T_mb = T_rows[rows] if T_easy_hard else T  # the rollouts' temperatures
+                    T_mb = T_rows[rows] if T_easy_hard else T_rows  # the rollouts' temperatures
                     st = token_stats(model, ids, attn, mask, T_mb, entropy=True)
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
@@ -225,9 +236,7 @@ def main(argv=None):
                 if it == 0:
                     stats.sampler_gap(st["logp"], old_logp, m)
             run.optimizer_step(step, stats.sums["loss"])
-        if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
-            # 004: a slowly moving reference, not a frozen one
-            mix_reference(ref, model, args.ref_sync_mix)
+        mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004, if asked
         # ---- log, evaluate, checkpoint ----
         metrics = {**stats.metrics(args.num_iterations), **rollout_metrics(ro, scores, reward, adv),
                    **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1

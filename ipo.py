@@ -30,7 +30,8 @@ from evaluate import eval_metrics
 from logprobs import token_stats, tokenize_pairs
 from loop import Run, StepStats, load_policy
 from sampler import make_sampler
-from verifier import dense_score, extract_answer, flip_operator, make_trace, score
+from traces import flip_operator, make_trace
+from verifier import dense_score, extract_answer, score
 
 
 @dataclass

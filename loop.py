@@ -11,6 +11,7 @@ import torch
 from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger
 from models import load_model
+from traces import strategy_metrics
 
 
 def load_policy(init, gradient_checkpointing, lora_rank=0, lora_alpha=0.0,
@@ -56,8 +57,11 @@ def step_seed(seed, step):
 
 
 @torch.no_grad()
-def mix_reference(ref, model, mix):
-    """π_ref ← mix · π_θ + (1 − mix) · π_ref (paper 004 Table 3: a slowly moving reference)."""
+def mix_reference(ref, model, mix, step=0, every=1):
+    """π_ref ← mix · π_θ + (1 − mix) · π_ref every `every` steps (paper 004 Table 3: a slowly
+    moving reference); nothing for no reference or every=0 (a frozen one)."""
+    if ref is None or not every or step % every:
+        return
     for p_ref, p in zip(ref.parameters(), model.parameters()):
         p_ref.mul_(1 - mix).add_(p, alpha=mix)
 
@@ -130,7 +134,8 @@ def rollout_metrics(ro, scores, reward, adv):
             "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
             "train/resp_len": sum(map(len, ro.completion_ids)) / n,
             # what the reward sees (no complete answer block) and what the budget did (no EOS)
-            "train/no_answer": (scores == 0).float().mean(), "train/cut": 1 - sum(ro.finished) / n}
+            "train/no_answer": (scores == 0).float().mean(), "train/cut": 1 - sum(ro.finished) / n,
+            **strategy_metrics("train", ro.texts, scores.tolist())}
 
 
 class Run:

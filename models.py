@@ -8,6 +8,7 @@ import re
 
 import torch
 
+import traces
 import verifier
 from common import CountdownError
 from data import TEMPLATES, check_hub, make_prompt
@@ -29,7 +30,7 @@ def build_tiny_tokenizer(vocab_size=384):
         for template in TEMPLATES:
             corpus.append(
                 make_prompt(task["nums"], task["target"], template)
-                + verifier.make_trace(task["nums"], task["target"], rng, 2.0))
+                + traces.make_trace(task["nums"], task["target"], rng, 2.0))
     tok = Tokenizer(models.BPE())
     # " 12" -> " 1", "2": a digit is a token, with its leading space
     digits = pre_tokenizers.Split(Regex(r" ?[0-9]"), "isolated")

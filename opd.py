@@ -123,7 +123,7 @@ def main(argv=None):
                       args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward)  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, **args.reward_options())  # (B*G,), (B, G)
         adv = rloo_advantages(reward).flatten()                                        # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))

@@ -11,6 +11,7 @@ from math import nan
 
 from common import CountdownError, arg, cli, parse_args
 from data import read_jsonl
+from traces import STRATEGIES
 
 # the pipeline's stages in run_cpu.sh's order; any other eval dir is listed after them
 STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "opd_longer",
@@ -26,6 +27,10 @@ class Args:
     out: str = arg("pass_at_k.png", "the PNG of --plot")
 
 
+def _num(x):
+    return nan if x is None else x
+
+
 def format_table(summary):
     """One evaluation (evaluate.py's summary.json) as the console table: pass@k overall and by
     problem size, best-of-n, and the arithmetic diagnostics."""
@@ -37,6 +42,10 @@ def format_table(summary):
              "arithmetic: {step_error:.1%} of {steps} steps wrong; {false_claims:.1%} of {claims} "
              "`found` verdicts after a value that is not the target"
              .format(**summary["arithmetic"]),
+             "strategies: " + " | ".join(
+                 f"{name} {s['share']:.1%} of samples, pass@1 "
+                 + ("-" if s["pass@1"] is None else f"{s['pass@1']:.3f}")
+                 for name, s in summary.get("strategies", {}).items()),
              "          " + "".join(f"{'pass@' + k:>10}" for k in pk),
              f"{'all':<10}" + "".join(f"{v:>10.3f}" for v in pk.values())]
     for size, s in summary["by_size"].items():
@@ -100,18 +109,24 @@ def report(out):
     sizes = list(first["by_size"]) if len(first["by_size"]) > 1 else []  # a column each if mixed
     head = (f"{'stage':<18}{'pass@1':>15}" + "".join(f"{'pass@' + k:>9}" for k in ks[1:])
             + "".join(f"{s + ' nums@1':>11}" for s in sizes)
-            + f"{'format':>8}{'step err':>9}{'false':>7}{'wall s':>8}")
+            + f"{'format':>8}{'step err':>9}{'false':>7}"
+            + "".join(f"{s[:4] + ' %':>8}{s[:4] + '@1':>8}" for s in STRATEGIES) + f"{'wall s':>8}")
     print(f"Table 1 ({first['num_problems']} held-out problems x {first['num_samples']} samples; "
           "step err: share of wrong `a op b = v` steps, false: of `found` verdicts after a try "
-          f"whose last value is not the target)\n{head}")
+          "whose last value is not the target; per strategy (traces.py): its share of the samples "
+          f"and their pass@1)\n{head}")
     for n, r in results.items():
         # summaries written before the arithmetic block: nan (evaluate.py --recompute adds it)
         pk, a, wall = r["pass_at_k"], r.get("arithmetic", {}), r["wall_seconds"]
+        st = r.get("strategies", {})
         print(f"{n:<18}{pk['1']:>8.3f} ±{1.96 * r['pass_at_1_stderr']:.3f}"
               + "".join(f"{pk[k]:>9.3f}" for k in ks[1:])
               + "".join(f"{r['by_size'][s]['pass_at_k']['1']:>11.3f}" for s in sizes)
               + f"{r['format_rate']:>8.3f}{a.get('step_error', nan):>9.3f}"
-              + f"{a.get('false_claims', nan):>7.3f}{wall if wall is not None else '-':>8}")
+              + f"{a.get('false_claims', nan):>7.3f}"
+              + "".join(f"{st.get(s, {}).get('share', nan):>8.3f}"
+                        f"{_num(st.get(s, {}).get('pass@1')):>8.3f}" for s in STRATEGIES)
+              + f"{wall if wall is not None else '-':>8}")
     budgets = list(first.get("verification", {}).get("budgets", {}))
     print("\nTable 2 (test-time self-verification: sample until the verifier accepts, at most N; "
           "accuracy at N, and the samples drawn on average at N = "
@@ -127,18 +142,18 @@ def report(out):
 
 
 def plot_training(out):
-    """Per-step training reward and accuracy of the RL stages, and RLT's r_SS, training and held-out
-    (004 Fig. 3)."""
+    """Per-step training reward and accuracy of the RL stages, the share of their rollouts that work
+    backward (the selection RL makes), and RLT's r_SS, training and held-out (004 Fig. 3)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    curves = [(n, k, k) for k in ("train/reward", "train/accuracy")
+    curves = [(n, k, k) for k in ("train/reward", "train/accuracy", "train/strategy/backward")
               for n in ("rloo", "grpo", "opd", "opd_anticollapse", "opd_longer")]
     curves += [("rlt", "train/r_ss", "train"), ("rlt", "eval/r_ss", "held-out")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, key, title in zip(axes, ["train/reward", "train/accuracy", "r_ss"],
-                              ["training reward", "training accuracy",
-                               "RLT: r_SS of explanations (Eq. 3)"]):
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    for ax, key, title in zip(axes, ["train/reward", "train/accuracy", "train/strategy/", "r_ss"],
+                              ["training reward", "training accuracy", "share of rollouts "
+                               "working backward", "RLT: r_SS of explanations (Eq. 3)"]):
         for n, k, label in curves:
             if key in k and os.path.isfile(os.path.join(out, n, "metrics.jsonl")):
                 rows = [r for r in read_jsonl(os.path.join(out, n, "metrics.jsonl"), ["step"])

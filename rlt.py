@@ -331,8 +331,7 @@ def main(argv=None):
             stats.sampler_gap(st["logp"], old_logp, m)
         # ---- optimizer step, reference sync, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
-        if ref is not None and args.ref_sync_every and step % args.ref_sync_every == 0:
-            mix_reference(ref, model, args.ref_sync_mix)  # 004: a slowly moving reference
+        mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004: slowly moving
         expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
         run.end_step(step, {**stats.metrics(), **rlt_metrics(ro, reward.view(B, G), r_ss, r_kl, pen,
                                                              expl_tokens)})

@@ -447,10 +447,11 @@ def _merge(parts, n_prompts, n):
     return out
 
 
-def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):
+def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1, no_answer_reward=0.0):
     """The verifier on every rollout: scores (n·len(tasks),) in {0, 0.1, 1}, for accuracy and
     format, and the training reward (len(tasks), n): the same scores with `wrong_reward` in place
-    of the 0.1 of a wrong answer (sparse; paper 000: 0.1), or paper 001's dense partial credit."""
+    of the 0.1 of a wrong answer and `no_answer_reward` in place of the 0 of no answer (sparse;
+    paper 000: 0.1 and 0), or paper 001's dense partial credit."""
     n = len(ro.texts) // len(tasks)
     row_tasks = [t for t in tasks for _ in range(n)]
     scores = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
@@ -458,7 +459,8 @@ def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):
         dense = [dense_score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)]
         return scores, torch.tensor(dense).view(-1, n)
     wrong = (scores > 0) & (scores < 1)  # an answer, not the target
-    return scores, torch.where(wrong, torch.tensor(wrong_reward), scores).view(-1, n)
+    reward = torch.where(wrong, torch.tensor(wrong_reward), scores)
+    return scores, torch.where(scores == 0, torch.tensor(no_answer_reward), reward).view(-1, n)
 
 
 @torch.no_grad()

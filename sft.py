@@ -5,7 +5,7 @@
 Only response tokens count (EOS included: the model must learn to stop); the prompt conditions.
 Departures from the paper:
   1. The loss is averaged over the response tokens of the whole effective batch (Eq. 1 is a sum).
-  2. Embedded setting: `--data gen:...` trains on traces written by verifier.make_trace for
+  2. Embedded setting: `--data gen:...` trains on traces written by traces.make_trace for
      generated problems (a fresh trace each epoch), a tiny model from scratch, the compact prompt
      template.
   3. Periodic eval samples on the `val` split of --eval_data; evaluate.py owns the `test` split.
@@ -33,7 +33,8 @@ from evaluate import eval_metrics
 from logprobs import token_stats, tokenize_pairs
 from loop import Run, StepStats, load_policy
 from rlt import teacher_prompt
-from verifier import arith_text, extract_answer, make_trace
+from traces import arith_text, make_trace, parse_mix
+from verifier import extract_answer
 
 
 @dataclass
@@ -71,8 +72,10 @@ class Args(TrainArgs):
     dead_ends: float = arg(0.0, "gen data: mean number of abandoned tries before the one that "
                                 "finds the target")
     near_misses: float = arg(0.0, "gen data: share of dead ends that are near misses, the closest "
-                                  "miss of 8 random paths (verifier.near_miss), instead of a "
+                                  "miss of 8 random paths (traces.near_miss), instead of a "
                                   "random path")
+    strategies: str = arg("random", "gen data: the traces' search strategies and weights, e.g. "
+                                    "'random:0.7,backward:0.3' (traces.STRATEGIES)")
     fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new "
                                     "one each epoch")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
@@ -87,17 +90,18 @@ def sft_loss(logp, mask):
 
 
 def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses=0.0,
-             fixed_traces=False, seed=0):
+             fixed_traces=False, seed=0, mix=None):
     """Prompts and a function rng -> responses: solver traces of generated problems (new ones each
-    call: another solution path, other dead ends), plain arithmetic over their numbers (no
-    prompt: the whole text is the target, 4 random paths a row), the same traces in RLT's
-    teacher format (`rlt:`), or a dataset's fixed query/completion pairs."""
+    call: another solution path, other dead ends; each trace's strategy drawn from `mix`), plain
+    arithmetic over their numbers (no prompt: the whole text is the target, 4 random paths a
+    row), the same traces in RLT's teacher format (`rlt:`), or a dataset's fixed query/completion
+    pairs."""
     kind, _, spec = data.partition(":")
     if kind in ("gen", "arith", "rlt"):
         tasks = load_tasks("gen:" + spec, split, n or 20_000)
         if kind == "rlt":  # 004 §A.1: RLT's teacher format, the solution in the prompt; its trace
             rng = random.Random(seed)  # up to </think> is the explanation. One trace per problem
-            traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses)
+            traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix)
                       for t in tasks]
             prompts = [teacher_prompt(t, extract_answer(x), template)
                        for t, x in zip(tasks, traces)]
@@ -108,7 +112,8 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
             return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng)
                                                    for i in range(len(nums))]
         def write(rng):
-            return [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses) for t in tasks]
+            return [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix)
+                    for t in tasks]
         fixed = write(random.Random(seed)) if fixed_traces else None
         return [make_prompt(t["nums"], t["target"], template) for t in tasks
                 ], lambda rng: fixed or write(rng)
@@ -151,6 +156,10 @@ def main(argv=None):
     if args.batch_size % args.micro_batch:
         raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch "
                              f"{args.micro_batch}")
+    try:
+        mix = parse_mix(args.strategies)
+    except ValueError as e:
+        raise CountdownError(f"--strategies: {e}") from None
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora(),
@@ -158,7 +167,7 @@ def main(argv=None):
                                      num_hidden_layers=args.tiny_layers)
     data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,
                    dead_ends=args.dead_ends, near_misses=args.near_misses,
-                   fixed_traces=args.fixed_traces, seed=args.seed)
+                   fixed_traces=args.fixed_traces, seed=args.seed, mix=mix)
     prompts, write_responses = data("train", args.num_train)
     val_prompts, write_val = data("val", args.eval_problems)  # disjoint from train by construction
     batches = partial(micro_batches, tok, size=args.micro_batch, max_prompt_len=args.max_prompt_len,

@@ -1,5 +1,5 @@
 """The Countdown task, standard library only: answer extraction, exact scoring (paper 000 §3.1;
-dense: paper 001), solver, generator, solver-written search traces and operator-flip negatives.
+dense: paper 001), solver and generator (the solver-written traces live in traces.py).
 Nothing here calls eval: one regex tokenizes, an explicit-stack shunting-yard parses (so 2,000
 nested parentheses cannot hit Python's recursion limit) and fractions.Fraction computes exactly."""
 import functools
@@ -112,7 +112,7 @@ def dense_score(response, numbers, target):
     return 0.1 + 0.5 * max(0.0, 1.0 - float(abs(value - target)) / max(1, abs(target)))
 
 
-# ---- solver, generator, traces ------------------------------------------------------------------
+# ---- solver and generator ----------------------------------------------------------------------
 def _moves(a, b, restricted):
     """(value, op, left, right) per way to merge two (value, expr) items; `restricted`: the
     generator's rule, non-negative integers only (a - b only if a >= b, exact /)."""
@@ -182,88 +182,3 @@ def generate_splits(sizes, seed=0, num_numbers=(3, 4), num_range=(1, 99), target
             seen.add(key)
             out[name].append({"nums": nums, "target": key[1]})
     return out
-
-
-def _steps_text(steps):
-    return " ".join(f"{a} {op} {b} = {v}"
-                    + (f", left {' '.join(map(str, rest))}." if len(rest) > 1 else ".")
-                    for a, op, b, v, rest in steps)
-
-
-@functools.lru_cache(maxsize=50_000)
-def _solutions(numbers, target):
-    """Up to 16 solver paths; cached because SFT writes a new trace for every problem every
-    epoch."""
-    return list(
-        itertools.islice(_search([(Fraction(n), str(n)) for n in numbers], target, True), 16))
-
-
-def random_path(numbers, rng):
-    """A random legal path of pair merges down to one value: (expr, steps)."""
-    items, steps = [(Fraction(n), str(n)) for n in numbers], []
-    while len(items) > 1:
-        i, j = rng.sample(range(len(items)), 2)
-        value, op, left, right = rng.choice(_moves(items[i], items[j], True))
-        items = ([x for k, x in enumerate(items) if k not in (i, j)]
-                 + [(value, f"({left[1]} {op} {right[1]})")])
-        steps.append((left[0], op, right[0], value, [x[0] for x in items]))
-    return items[0][1], steps
-
-
-def arith_text(problems, rng):
-    """Plain arithmetic for the base stage: one random path per problem (its numbers), one per line,
-    written exactly as the traces write their steps ('3 + 5 = 8, left 7 8. 7 * 8 = 56.')."""
-    return "\n".join(_steps_text(random_path(nums, rng)[1]) for nums in problems)
-
-
-def near_miss(numbers, target, rng, tries=8):
-    """The closest miss of `tries` random legal paths (None if all hit, or one number): the dead end
-    that makes a trace's check exact, since a miss far off can be told by magnitude alone."""
-    paths = (random_path(numbers, rng)[1] for _ in range(tries))
-    misses = [p for p in paths if p and p[-1][3] != target]
-    return min(misses, key=lambda p: abs(p[-1][3] - target)) if misses else None
-
-
-def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0):
-    """A Stream-of-Search-style trace, the text after the prompt's '<think>': tries computed to the
-    end, each a solver path with probability 1 / (1 + dead_ends), else a dead end (a near miss
-    with probability `near_misses`, else a random path), until one's value is the target. No cap:
-    the dead ends are geometric with mean <= dead_ends, so only the check tells when to stop.
-    Each try writes the target by its value, then the verdict ('= 70. Target 60, back.'). Without
-    near misses a model learns "found" = "close" (docs/arithmetic.md). None if the problem has no
-    solution."""
-    rng = rng or random.Random(0)
-    solutions = _solutions(tuple(numbers), target)
-    if not solutions:
-        return None
-    lines = []
-    while True:
-        if rng.random() * (1 + dead_ends) < 1:
-            expr, path = rng.choice(solutions)
-        elif (near_misses and rng.random() < near_misses
-              and (miss := near_miss(numbers, target, rng))):
-            expr, path = None, miss  # a near miss never finds, so its expression is never written
-        else:
-            expr, path = random_path(numbers, rng)
-        # the verdict follows the target, written by the value
-        found = (path[-1][3] if path else numbers[0]) == target
-        lines.append(f"{_steps_text(path)} Target {target}, {'found' if found else 'back'}.")
-        if found:
-            answer = expr[1:-1] if path else expr
-            return " " + "\n".join(lines) + f"\n</think>\n<answer>{answer}</answer>"
-
-
-def flip_operator(expr, numbers, target, rng=None):
-    """Paper 001's hard negative: the verified equation with one operator flipped so that its value
-    changes (it still uses exactly the given numbers, so it scores 0.1). None if no flip changes
-    it."""
-    rng = rng or random.Random(0)
-    # binary operators, not unary minus
-    spots = [m.start(1) for m in re.finditer(r"[\d)]\s*([-+*/])", expr)]
-    for i in rng.sample(spots, len(spots)):
-        for new in rng.sample([o for o in "+-*/" if o != expr[i]], 3):
-            candidate = expr[:i] + new + expr[i + 1:]
-            value = evaluate_expression(candidate, numbers)
-            if value is not None and value != target:
-                return candidate
-    return None

@@ -1,7 +1,7 @@
 """Greedy arithmetic of a checkpoint on held-out text, the base stage's own yardstick
 (docs/arithmetic.md).
  A base model writes no answers, so evaluate.py's sampled diagnostics cannot measure it. Here the
-model reads fresh arithmetic (verifier.arith_text over random numbers of the task's range, the base
+model reads fresh arithmetic (traces.arith_text over random numbers of the task's range, the base
 stage's format) and a step `a op b = v` counts as right when every token of v is the model's argmax
 given the text before it. Wrong steps, overall and by operator.
 
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from logprobs import token_stats, tokenize_pairs  # noqa: E402
 from models import load_model  # noqa: E402
-from verifier import arith_text  # noqa: E402
+from traces import arith_text  # noqa: E402
 
 
 def probe(model, tok, texts):

@@ -24,7 +24,7 @@ from data import load_tasks, make_prompt  # noqa: E402
 from logprobs import token_stats, tokenize_pairs  # noqa: E402
 from models import load_model  # noqa: E402
 from sampler import HFSampler, micro_batches  # noqa: E402
-from verifier import make_trace  # noqa: E402
+from traces import make_trace  # noqa: E402
 
 DATA = "gen:nums=3,range=1-20,test=200,val=100"
 

@@ -4,7 +4,7 @@ Reads the `samples.jsonl` that evaluate.py writes and splits each completion int
 (`... = v. Target T, found/back.`). It reports tries per sample, repeated tries, the hit rate per
 try and on the first try. It also reports the share of tries whose first step is the first step of
 some solution ("aimed"), with the hit rate of those and of the others. The same numbers for random
-legal paths (verifier.random_path) over the same problems are the yardstick. A model whose aimed
+legal paths (traces.random_path) over the same problems are the yardstick. A model whose aimed
 share is no higher than a random path's picks its first step at random (docs/arithmetic.md).
 
   python benchmarks/search_probe.py out/cpu/eval/sft out/cpu/eval/rloo
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from evaluate import _STEP  # noqa: E402  a step as the traces write it: a op b = v
-from verifier import _solutions, _steps_text, random_path  # noqa: E402
+from traces import _solutions, _steps_text, random_path  # noqa: E402
 
 TRY = re.compile(r"(.*) Target (\d+), (?:found|back)\.")
 

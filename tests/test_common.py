@@ -14,6 +14,7 @@ import logprobs as LP
 import loop as L
 import models as M
 import sampler as S
+import traces as TR
 import verifier as V
 from checkpoints import save_checkpoint
 
@@ -142,7 +143,7 @@ def test_prompt_longer_than_max_is_a_clear_error():
 
 def test_tiny_tokenizer_round_trips_any_text():
     tok = M.build_tiny_tokenizer()
-    for text in [D.make_prompt([12, 7, 99, 1], 100), V.make_trace([7, 4, 5], 55, dead_ends=2),
+    for text in [D.make_prompt([12, 7, 99, 1], 100), TR.make_trace([7, 4, 5], 55, dead_ends=2),
                  "<answer> 123 / (4-5) </answer>\n\t ünïcode ✓ \x00", ""]:
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     assert len(tok("<answer>", add_special_tokens=False)["input_ids"]) == 1
@@ -242,7 +243,7 @@ def test_checkpoint_round_trip(tiny, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
     assert tok2.get_vocab() == tok.get_vocab() and tok2.eos_token_id == tok.eos_token_id
-    text = D.make_prompt([3, 17, 9], 21, "compact") + V.make_trace([3, 7, 9], 21, dead_ends=2)
+    text = D.make_prompt([3, 17, 9], 21, "compact") + TR.make_trace([3, 7, 9], 21, dead_ends=2)
     # same pre-tokenizer after the round trip
     assert tok2(text)["input_ids"] == tok(text)["input_ids"]
 

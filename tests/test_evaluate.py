@@ -42,7 +42,8 @@ def test_expected_samples_matches_simulation(n, c, k):
 
 
 def test_summarize_splits_and_best_of_n():
-    records = [{"nums": [1, 2, 3], "target": 6, "completions": [""] * 4, "scores": [1.0, 0.1, 0.0, 0.1]},
+    records = [{"nums": [1, 2, 3], "target": 6, "completions": ["Need 3: x", "1 + 2 = 3.", "", ""],
+                "scores": [1.0, 0.1, 0.0, 0.1]},
                {"nums": [1, 2, 3, 4], "target": 24, "completions": [""] * 4, "scores": [0.1, 0.1, 0.1, 0.1]}]
     s = E.summarize(records)
     assert s["num_problems"] == 2 and s["num_samples"] == 4 and list(s["pass_at_k"]) == ["1", "2", "4"]
@@ -52,7 +53,9 @@ def test_summarize_splits_and_best_of_n():
     # per-problem 0.25 and 0: sd 0.177, / sqrt(2)
     assert s["pass_at_1_stderr"] == pytest.approx(0.125)
     assert s["best_of_n"] == {"accuracy": 0.5, "avg_samples": pytest.approx((E.expected_samples(4, 1, 4) + 4) / 2)}
-    assert s["arithmetic"]["steps"] == 0 and s["arithmetic"]["step_error"] == 0
+    assert s["arithmetic"]["steps"] == 1 and s["arithmetic"]["step_error"] == 0
+    assert s["strategies"] == {"backward": {"share": 1 / 8, "pass@1": 1.0}, "random": {"share": 1 / 8, "pass@1": 0.0},
+                               "other": {"share": 6 / 8, "pass@1": 0.0}}
 
 
 @pytest.mark.parametrize("text, steps, wrong, claims, false", [
@@ -82,7 +85,7 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.load(open(out / "summary.json"))
     assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n", "pass_at_1_stderr",
-                      "arithmetic", "verification"}
+                      "arithmetic", "verification", "strategies"}
     assert list(s["verification"]["budgets"]) == ["1", "2", "4"]
     assert s["num_problems"] == 6 and s["num_samples"] == 4 and set(s["pass_at_k"]) == {"1", "2", "4"}
     assert set(s["by_size"]) <= {"3", "4"} and set(s["best_of_n"]) == {"accuracy", "avg_samples"}
@@ -112,13 +115,15 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
                 "by_size": {"3": {"num_problems": 1, "pass_at_k": {"1": p1, "2": p1}},
                             "4": {"num_problems": 1, "pass_at_k": {"1": 0.0, "2": 0.0}}},
                 "format_rate": 1.0, "best_of_n": {"accuracy": p1, "avg_samples": 1.5},
-                "arithmetic": {"steps": 10, "step_error": 0.125, "claims": 4, "false_claims": 0.25}}
+                "arithmetic": {"steps": 10, "step_error": 0.125, "claims": 4, "false_claims": 0.25},
+                "strategies": {"random": {"share": 0.6, "pass@1": 0.3}, "backward": {"share": 0.4, "pass@1": 0.0}}}
     for i, name in enumerate(["zzz_extra", "rloo", "sft", "rlt_student"]):
         (tmp_path / "eval" / name).mkdir(parents=True)
         (tmp_path / "eval" / name / "summary.json").write_text(json.dumps(summary(0.1 * (i + 1))))
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "wall_seconds").write_text("12\n")
-    for name, keys in (("rloo", ["train/reward", "train/accuracy"]), ("rlt", ["train/r_ss", "eval/r_ss"])):
+    for name, keys in (("rloo", ["train/reward", "train/accuracy", "train/strategy/backward"]),
+                       ("rlt", ["train/r_ss", "eval/r_ss"])):
         (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{k: s / 10 for k in keys}}) + "\n"
                                                                for s in range(3)))
@@ -131,6 +136,7 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     table1 = r.stdout.split("Table 2")[0]
     assert table1.index("sft") < table1.index("rloo") < table1.index("rlt_student") < table1.index("zzz_extra")
     assert "3 nums@1" in table1 and "avg n" in r.stdout and "0.125  0.250" in table1
+    assert "rand %" in table1 and "0.600   0.300   0.400   0.000" in table1  # per strategy: share, pass@1
     for png in ("pass_at_k.png", "rl_curves.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     r = subprocess.run([sys.executable, "report.py", "--run", str(tmp_path / "nothing")], cwd=ROOT,

@@ -192,6 +192,11 @@ def test_score_rollouts_sparse_dense_and_wrong_reward():
         exact, reward = S.score_rollouts(ro, tasks, "sparse", wrong)
         assert torch.allclose(exact, torch.tensor([1.0, 0.1, 0.0, 0.1]))
         assert torch.equal(reward, torch.tensor([[1.0, wrong], [0.0, wrong]]))
+    # a search cut short (no answer) costs what a wrong answer does: only solving pays
+    exact, reward = S.score_rollouts(ro, tasks, "sparse", -0.5, -0.5)
+    assert torch.equal(reward, torch.tensor([[1.0, -0.5], [-0.5, -0.5]]))
+    exact, reward = S.score_rollouts(ro, tasks, "dense", -0.5, -0.5)  # dense keeps its own scale
+    assert torch.allclose(reward, torch.tensor([[1.0, 0.1], [0.0, 0.55]]))
 
 
 @pytest.mark.parametrize("bf16", ["0", "1"])
@@ -207,9 +212,11 @@ def test_two_steps_in_a_subprocess(script, bf16, tiny_ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/pass@1" in rows[0] and "eval/pass@2" in rows[-1]
+    assert "eval/strategy/backward" in rows[0]
     keys = {"train/loss", "train/reward", "train/accuracy", "train/reward_std", "train/adv_std", "train/zero_adv_groups",
             "train/resp_len", "train/no_answer", "train/cut", "train/entropy", "train/kl", "train/sampler_gap",
-            "train/grad_norm", "time/sample", "time/update", "grad/pg", "grad/kl"}
+            "train/grad_norm", "time/sample", "time/update", "grad/pg", "grad/kl",
+            "train/strategy/random", "train/strategy/backward"}  # shares of the rollouts (traces.py)
     keys |= {"train/ratio", "train/ratio_max"} if script == "grpo.py" else \
         {"train/is_weight", "train/is_weight_raw", "train/is_weight_raw_max", "grad/entropy"}
     assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())

@@ -30,7 +30,7 @@ def scripted(texts):
     return torch.tensor([float(bool(x) and ord(x[0]) % 2) for x in texts])
 
 
-def fake_score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1):
+def fake_score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1, no_answer_reward=0.0):
     r = scripted(ro.texts)
     return r, r.view(len(tasks), -1)
 

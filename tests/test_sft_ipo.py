@@ -14,6 +14,7 @@ import ipo
 import logprobs as LP
 import models as M
 import sft
+import traces as TR
 import verifier as V
 
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
@@ -111,7 +112,7 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
     data = tmp_path / "sft.jsonl"
     tasks = D.load_tasks(GEN, "train", 20)
     data.write_text("".join(json.dumps({"query": D.make_prompt(t["nums"], t["target"], "compact"),
-                                        "completion": V.make_trace(t["nums"], t["target"])}) + "\n" for t in tasks))
+                                        "completion": TR.make_trace(t["nums"], t["target"])}) + "\n" for t in tasks))
     model = sft.main(["--init", "tiny", "--data", str(data), "--eval_data", GEN, "--template", "compact", "--batch_size", "4",
                       "--micro_batch", "2", "--max_steps", "1", "--eval_problems", "2", "--eval_samples", "1",
                       "--eval_max_new_tokens", "4", "--output_dir", str(tmp_path / "out")])

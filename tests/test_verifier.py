@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import pytest
 
+import traces as TR
 import verifier as V
 
 NUMS, TARGET = [3, 5, 4], 32  # (3 + 5) * 4 = 32
@@ -204,13 +205,13 @@ def test_small_problem_space_runs_dry_instead_of_hanging():
 def test_traces_end_in_a_verified_answer(problems, dead_ends):
     rng = random.Random(0)
     for p in problems[:200]:
-        trace = V.make_trace(p["nums"], p["target"], rng, dead_ends=dead_ends)
+        trace = TR.make_trace(p["nums"], p["target"], rng, dead_ends=dead_ends)
         assert trace.count("</think>") == 1 and trace.rstrip().endswith("</answer>")
         assert V.score(trace, p["nums"], p["target"]) == 1.0
         if dead_ends == 0:
             assert "back." not in trace
-    assert V.make_trace([1, 1, 1], 100) is None
-    assert V.score(V.make_trace([5], 5), [5], 5) == 1.0  # one number: no step, still a valid answer
+    assert TR.make_trace([1, 1, 1], 100) is None
+    assert V.score(TR.make_trace([5], 5), [5], 5) == 1.0  # one number: no step, still a valid answer
 
 
 def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
@@ -219,7 +220,7 @@ def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
     one."""
     rng, dead = random.Random(0), []
     for p in problems[:300]:
-        lines = V.make_trace(p["nums"], p["target"], rng, dead_ends=2.0).split("\n")[:-2]
+        lines = TR.make_trace(p["nums"], p["target"], rng, dead_ends=2.0).split("\n")[:-2]
         for line in lines:
             last = int(re.findall(r"= (\d+)\.", line)[-1])
             assert line.endswith(f"Target {p['target']}, " + ("found." if last == p["target"] else "back."))
@@ -237,24 +238,24 @@ def test_near_misses_are_close_legal_misses(problems):
         if len(p["nums"]) != 3:
             continue
         for share, dist in ((1.0, near), (0.0, far)):
-            for line in V.make_trace(p["nums"], p["target"], rng, 2.0, share).split("\n")[:-3]:
+            for line in TR.make_trace(p["nums"], p["target"], rng, 2.0, share).split("\n")[:-3]:
                 assert line.endswith(f"Target {p['target']}, back.")
                 dist.append(abs(int(re.findall(r"= (\d+)\.", line)[-1]) - p["target"]))
     assert len(near) > 100 and 0 not in near and sorted(near)[len(near) // 2] * 4 < sorted(far)[len(far) // 2]
-    a = [V.make_trace(p["nums"], p["target"], random.Random(1), 1.0) for p in problems[:50]]
-    assert a == [V.make_trace(p["nums"], p["target"], random.Random(1), 1.0, 0.0) for p in problems[:50]]
-    assert V.near_miss([3, 4], 7, random.Random(0))[-1][3] != 7 and V.near_miss([7], 7, random.Random(0)) is None
+    a = [TR.make_trace(p["nums"], p["target"], random.Random(1), 1.0) for p in problems[:50]]
+    assert a == [TR.make_trace(p["nums"], p["target"], random.Random(1), 1.0, 0.0) for p in problems[:50]]
+    assert TR.near_miss([3, 4], 7, random.Random(0))[-1][3] != 7 and TR.near_miss([7], 7, random.Random(0)) is None
 
 
 def test_arith_text_is_trace_steps_over_the_given_numbers():
-    text = V.arith_text([[7, 4, 5], [12, 3, 9, 20]], random.Random(0))
+    text = TR.arith_text([[7, 4, 5], [12, 3, 9, 20]], random.Random(0))
     lines = text.split("\n")
     assert len(lines) == 2 and lines[0].count("=") == 2 and lines[1].count("=") == 3
     assert "Target" not in text and text.startswith(("7 ", "4 ", "5 "))
 
 
 def test_trace_arithmetic_is_right():
-    trace = V.make_trace([7, 4, 5], 55, random.Random(1), dead_ends=3)
+    trace = TR.make_trace([7, 4, 5], 55, random.Random(1), dead_ends=3)
     for line in trace.split("\n")[:-2]:
         for step in line.split(". "):
             if "=" in step:
@@ -269,7 +270,7 @@ def test_operator_flip_negatives_never_score_one(problems):
     rng, made = random.Random(0), 0
     for p in problems:
         expr = V.solve(p["nums"], p["target"])
-        neg = V.flip_operator(expr, p["nums"], p["target"], rng)
+        neg = TR.flip_operator(expr, p["nums"], p["target"], rng)
         if neg is None:
             continue
         made += 1
@@ -279,4 +280,4 @@ def test_operator_flip_negatives_never_score_one(problems):
 
 
 def test_flip_skips_unary_minus():
-    assert V.flip_operator("-3 + 5", [3, 5], 2, random.Random(0)) in ("-3 - 5", "-3 * 5", "-3 / 5")
+    assert TR.flip_operator("-3 + 5", [3, 5], 2, random.Random(0)) in ("-3 - 5", "-3 * 5", "-3 / 5")

@@ -1,0 +1,102 @@
+"""The trace strategies (traces.py): every trace verified and its arithmetic exact, the backward
+line written as the docstring says, the mixture's weights honoured, the strategy read back from the
+text, and the bookkeeping the evaluation and the RL logs print."""
+import random
+
+import pytest
+
+import evaluate as E
+import traces as TR
+import verifier as V
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return V.generate_splits({"p": 300}, seed=7, num_numbers=(3,), num_range=(1, 20),
+                             target_range=(10, 100))["p"]
+
+
+@pytest.mark.parametrize("mix", [{"backward": 1.0}, {"random": 0.5, "backward": 0.5}])
+def test_every_trace_is_verified_and_every_written_step_exact(problems, mix):
+    rng = random.Random(0)
+    traces = [TR.make_trace(p["nums"], p["target"], rng, 1.0, 0.5, mix) for p in problems]
+    assert all(V.score(t, p["nums"], p["target"]) == 1.0 for t, p in zip(traces, problems))
+    a = E.arithmetic(traces, [p["target"] for p in problems])
+    # a needed value, a pair's result or a closing step computed wrong would show here
+    assert a["steps"] > 5 * len(problems) and a["step_error"] == 0 and a["false_claims"] == 0
+
+
+def test_a_backward_line_is_one_subgoal_then_the_pair_until_it_is_made():
+    # 35 = 5 * 7: the factorization comes first, and the pair's fourth result makes it
+    assert TR.make_trace([2, 14, 5], 35, mix={"backward": 1}) == (
+        " Need 35 / 5 = 7: 2 + 14 = 16, 2 * 14 = 28, 14 - 2 = 12, 14 / 2 = 7. 7 * 5 = 35. "
+        "Target 35, found.\n</think>\n<answer>(14 / 2) * 5</answer>")
+    # 12 / 3 = 4 is not made (14 / 5 is not exact: no fourth result); 12 / 14 and 12 / 5 are not
+    # exact; then target - c, over c in the prompt's order
+    assert TR.make_trace([3, 14, 5], 12, mix={"backward": 1}) == (
+        " Need 12 / 3 = 4: 14 + 5 = 19, 14 * 5 = 70, 14 - 5 = 9, back.\n"
+        "Need 12 - 3 = 9: 14 + 5 = 19, 14 * 5 = 70, 14 - 5 = 9. 9 + 3 = 12. Target 12, found.\n"
+        "</think>\n<answer>(14 - 5) + 3</answer>")
+    # the procedure is deterministic: the rng never changes a backward trace that finds
+    assert {TR.make_trace([2, 14, 5], 35, random.Random(s), mix={"backward": 1}) for s in range(5)} \
+        == {TR.make_trace([2, 14, 5], 35, mix={"backward": 1})}
+
+
+def test_the_mixture_is_honoured_and_the_default_stream_unchanged(problems):
+    rng = random.Random(1)
+    names = [TR.strategy_of(TR.make_trace(p["nums"], p["target"], rng, 1.0, 0.0,
+                                          {"random": 0.7, "backward": 0.3}))
+             for p in problems * 4]
+    assert abs(names.count("backward") / len(names) - 0.3) < 0.04
+    assert set(names) == {"random", "backward"}
+    # no mix and a mix of random alone draw nothing extra: the traces before strategies existed
+    for p in problems[:30]:
+        assert TR.make_trace(p["nums"], p["target"], random.Random(3), 1.0, 0.5) == \
+            TR.make_trace(p["nums"], p["target"], random.Random(3), 1.0, 0.5, {"random": 1})
+    # 4 numbers: backward is written for 3, so such a problem gets random tries, still verified
+    t = TR.make_trace([3, 7, 2, 9], 24, random.Random(0), mix={"backward": 1})
+    assert TR.strategy_of(t) == "random" and V.score(t, [3, 7, 2, 9], 24) == 1.0
+
+
+def test_backward_solves_more_problems_in_the_first_line_than_a_random_try(problems):
+    rng = random.Random(2)
+    first = {name: sum(TR.make_trace(p["nums"], p["target"], rng, 1e9, 0.0, {name: 1})
+                       .split("\n")[0].endswith("found.") for p in problems) / len(problems)
+             for name in TR.STRATEGIES}
+    assert first["backward"] > 0.4 and first["random"] < 0.15  # measured 0.48 and 0.07 (train)
+
+
+@pytest.mark.parametrize("text,name", [
+    (" Need 35 / 5 = 7: 2 + 14 = 16, back.", "backward"),
+    ("Need 5: ...", "backward"),
+    (" 3 + 5 = 8, left 7 8. 7 * 8 = 56. Target 60, back.", "random"),
+    ("12 / 4 = 3. Target 3, found.", "random"),
+    (" </think>\n<answer>3 + 5</answer>", "other"),
+    ("", "other"),
+    ("need 5: lower case is not the strategy's word", "other"),
+])
+def test_strategy_of(text, name):
+    assert TR.strategy_of(text) == name
+
+
+def test_strategy_stats_and_metrics():
+    texts = ["Need 5: x", "Need 3: y", "1 + 2 = 3.", "??"]
+    stats = TR.strategy_stats(texts, [1.0, 0.1, 0.0, 1.0])
+    assert stats == {"random": {"share": 0.25, "pass@1": 0.0},
+                     "backward": {"share": 0.5, "pass@1": 0.5},
+                     "other": {"share": 0.25, "pass@1": 1.0}}
+    m = TR.strategy_metrics("train", texts[:1], [1.0])
+    # a strategy no sample used: share 0, and no pass rate rather than a made-up one
+    assert m == {"train/strategy/random": 0.0, "train/strategy/backward": 1.0,
+                 "train/strategy_acc/backward": 1.0}
+
+
+@pytest.mark.parametrize("text,bad", [("random:0.7,backward:0.3", None), ("backward", None),
+                                      ("forward:1", "unknown"), ("random:x", "not a number"),
+                                      ("random:-1", "negative"), ("random:0", "sum to 0")])
+def test_parse_mix(text, bad):
+    if bad is None:
+        assert sum(TR.parse_mix(text).values()) > 0
+    else:
+        with pytest.raises(ValueError, match=bad):
+            TR.parse_mix(text)

@@ -1,0 +1,217 @@
+"""Solver-written search traces for SFT, in named strategies a sample's text shows, the base
+stage's plain arithmetic, and paper 001's operator-flip negatives. Standard library only.
+
+A trace is the text after the prompt's '<think>': tries, one per line, each ending in a verdict
+('Target 60, back.' / 'found.'), then '</think>' and the verified answer. Strategies (`--strategies`
+in sft.py mixes them): `random`, tries at random until one hits (what the model did before there
+were strategies), and `backward`, working back from the target (see backward_chaining)."""
+import functools
+import itertools
+import random
+import re
+from fractions import Fraction
+
+from verifier import _moves, _search, evaluate_expression
+
+
+def _steps_text(steps):
+    return " ".join(f"{a} {op} {b} = {v}"
+                    + (f", left {' '.join(map(str, rest))}." if len(rest) > 1 else ".")
+                    for a, op, b, v, rest in steps)
+
+
+@functools.lru_cache(maxsize=50_000)
+def _solutions(numbers, target):
+    """Up to 16 solver paths; cached because SFT writes a new trace for every problem every
+    epoch."""
+    return list(
+        itertools.islice(_search([(Fraction(n), str(n)) for n in numbers], target, True), 16))
+
+
+def random_path(numbers, rng):
+    """A random legal path of pair merges down to one value: (expr, steps)."""
+    items, steps = [(Fraction(n), str(n)) for n in numbers], []
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        value, op, left, right = rng.choice(_moves(items[i], items[j], True))
+        items = ([x for k, x in enumerate(items) if k not in (i, j)]
+                 + [(value, f"({left[1]} {op} {right[1]})")])
+        steps.append((left[0], op, right[0], value, [x[0] for x in items]))
+    return items[0][1], steps
+
+
+def arith_text(problems, rng):
+    """Plain arithmetic for the base stage: one random path per problem (its numbers), one per line,
+    written exactly as the traces write their steps ('3 + 5 = 8, left 7 8. 7 * 8 = 56.')."""
+    return "\n".join(_steps_text(random_path(nums, rng)[1]) for nums in problems)
+
+
+def near_miss(numbers, target, rng, tries=8):
+    """The closest miss of `tries` random legal paths (None if all hit, or one number): the dead end
+    that makes a trace's check exact, since a miss far off can be told by magnitude alone."""
+    paths = (random_path(numbers, rng)[1] for _ in range(tries))
+    misses = [p for p in paths if p and p[-1][3] != target]
+    return min(misses, key=lambda p: abs(p[-1][3] - target)) if misses else None
+
+
+def random_tries(numbers, target, rng, dead_ends=0.0, near_misses=0.0):
+    """Strategy `random`, a Stream-of-Search-style trace: tries computed to the end, each a solver
+    path with probability 1 / (1 + dead_ends), else a dead end (a near miss with probability
+    `near_misses`, else a random path), until one's value is the target. No cap: the dead ends are
+    geometric with mean <= dead_ends, so only the check tells when to stop. Each try writes the
+    target by its value, then the verdict ('= 70. Target 60, back.'). Without near misses a model
+    learns "found" = "close" (docs/arithmetic.md). A model cannot tell a solver path from a random
+    one before it computes it, so what it learns is: try at random until one hits."""
+    solutions = _solutions(tuple(numbers), target)
+    lines = []
+    while True:
+        if rng.random() * (1 + dead_ends) < 1:
+            expr, path = rng.choice(solutions)
+        elif (near_misses and rng.random() < near_misses
+              and (miss := near_miss(numbers, target, rng))):
+            expr, path = None, miss  # a near miss never finds, so its expression is never written
+        else:
+            expr, path = random_path(numbers, rng)
+        # the verdict follows the target, written by the value
+        found = (path[-1][3] if path else numbers[0]) == target
+        lines.append(f"{_steps_text(path)} Target {target}, {'found' if found else 'back'}.")
+        if found:
+            return lines, expr[1:-1] if path else expr
+
+
+def _subgoals(target, c):
+    """What the other two numbers must make for a last step with `c` to reach `target`: (rank,
+    value, how it is computed, the closing step, the answer). Rank orders the subgoals of all c:
+    the target's factorizations first (target / c, when exact), then target - c, target + c, and
+    c - target when c is larger (rare here: targets start at 10)."""
+    t, out = target, [(2, target + c, f"{target} + {c}", f"{{v}} - {c}", f"{{e}} - {c}")]
+    if t % c == 0:
+        out.append((0, t // c, f"{t} / {c}", f"{{v}} * {c}", f"{{e}} * {c}"))
+    if t >= c:
+        out.append((1, t - c, f"{t} - {c}", f"{{v}} + {c}", f"{{e}} + {c}"))
+    else:
+        out.append((3, c - t, f"{c} - {t}", f"{c} - {{v}}", f"{c} - {{e}}"))
+    return out
+
+
+def backward_chaining(numbers, target, rng):
+    """Strategy `backward` (Gandhi et al., 2025, "Cognitive Behaviors that Enable Self-Improving
+    Reasoners": working backwards from the goal; paper 000 §5's teacher works back from the
+    target's factorizations). For 3 numbers, one line a subgoal: a last number c and a value the
+    other two must make ('Need 60 / 5 = 12:'), then the pair's results (a + b, a * b, larger -
+    smaller, larger / smaller when exact) until one is that value: the closing step and 'found',
+    else 'back' and the next subgoal. Subgoals come factorizations first, then target - c, then
+    target + c, each over c in the prompt's order (this order solves 79 % of problems within the
+    pipeline's 160 tokens; c by c, 62 %). Each result is checked against the one number at the
+    line's start, as a random try's value is against the target: a first version checked it
+    against a list of needs, which the tiny model missed 7 times in 10 (docs/strategies.md).
+    Deterministic, so `rng` only serves the random tries that end a problem no subgoal solves (3 %
+    here: its last step divides by c or by the pair's value). None if it has not 3 numbers."""
+    if len(numbers) != 3:
+        return None
+    goals = []
+    for k, c in enumerate(numbers):
+        a, b = [n for i, n in enumerate(numbers) if i != k]
+        hi, lo = max(a, b), min(a, b)
+        pair = [(a + b, f"{a} + {b}"), (a * b, f"{a} * {b}"), (hi - lo, f"{hi} - {lo}")]
+        pair += [(hi // lo, f"{hi} / {lo}")] if lo and hi % lo == 0 else []
+        goals += [(rank, k, need, how, close, answer, pair)
+                  for rank, need, how, close, answer in _subgoals(target, c)]
+    lines = []
+    for _, _, need, how, close, answer, pair in sorted(goals, key=lambda g: g[:2]):
+        tried = []
+        for v, text in pair:
+            tried.append(f"{text} = {v}")
+            if v == need:
+                lines.append(f"Need {how} = {need}: {', '.join(tried)}. "
+                             f"{close.format(v=v)} = {target}. Target {target}, found.")
+                return lines, answer.format(e=f"({text})")
+        lines.append(f"Need {how} = {need}: {', '.join(tried)}, back.")
+    more, answer = random_tries(numbers, target, rng)
+    return lines + more, answer
+
+
+STRATEGIES = {"random": random_tries, "backward": backward_chaining}
+
+
+def parse_mix(text):
+    """'random:0.7,backward:0.3' -> {'random': 0.7, 'backward': 0.3}; ValueError, one line, else."""
+    mix = {}
+    for part in text.split(","):
+        name, _, weight = part.partition(":")
+        try:
+            mix[name.strip()] = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"strategy weight {weight!r} is not a number in {text!r}") from None
+        if name.strip() not in STRATEGIES or mix[name.strip()] < 0:
+            raise ValueError(f"unknown strategy or negative weight {part!r} in {text!r}: "
+                             f"choose among {', '.join(STRATEGIES)}")
+    if sum(mix.values()) <= 0:
+        raise ValueError(f"strategy weights {text!r} sum to 0")
+    return mix
+
+
+def strategy_of(response):
+    """The strategy a trace (or a model's sample) opens with, read from its text: 'backward' if its
+    first try is a 'Need c:' line, 'random' if it opens with a step 'a op b = v', else 'other'."""
+    first = response.lstrip()
+    if first.startswith("Need "):
+        return "backward"
+    return "random" if re.match(r"\d+ [-+*/] \d+ = ", first) else "other"
+
+
+def strategy_stats(texts, scores):
+    """{strategy: {"share": of the texts, "pass@1": of its texts that scored 1.0}} for every
+    strategy (and 'other', if any text opens with neither); pass@1 is None where share is 0."""
+    names = [strategy_of(t) for t in texts]
+    out = {}
+    for name in [*STRATEGIES, *(["other"] if "other" in names else [])]:
+        mine = [float(s) == 1.0 for n, s in zip(names, scores) if n == name]
+        out[name] = {"share": len(mine) / max(len(texts), 1),
+                     "pass@1": sum(mine) / len(mine) if mine else None}
+    return out
+
+
+def strategy_metrics(prefix, texts, scores):
+    """PREFIX/strategy/NAME: each search strategy's share of the samples (a student watches RL
+    select one); PREFIX/strategy_acc/NAME: the share of its samples that solve."""
+    out = {}
+    for name, s in strategy_stats(texts, scores).items():
+        out[f"{prefix}/strategy/{name}"] = s["share"]
+        if s["pass@1"] is not None:
+            out[f"{prefix}/strategy_acc/{name}"] = s["pass@1"]
+    return out
+
+
+def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0, mix=None):
+    """A trace, the text after the prompt's '<think>', ending in a verified answer: the strategy
+    drawn from `mix` ({name: weight}; None: random tries only, the same rng stream as before there
+    were strategies). dead_ends and near_misses shape the random tries. None if the problem has no
+    solution."""
+    rng = rng or random.Random(0)
+    if not _solutions(tuple(numbers), target):
+        return None
+    name = "random"
+    if mix and len(mix) > 1:
+        name = rng.choices(list(mix), weights=list(mix.values()))[0]
+    elif mix:
+        name = next(iter(mix))
+    out = backward_chaining(numbers, target, rng) if name == "backward" else None
+    lines, answer = out or random_tries(numbers, target, rng, dead_ends, near_misses)
+    return " " + "\n".join(lines) + f"\n</think>\n<answer>{answer}</answer>"
+
+
+def flip_operator(expr, numbers, target, rng=None):
+    """Paper 001's hard negative: the verified equation with one operator flipped so that its value
+    changes (it still uses exactly the given numbers, so it scores 0.1). None if no flip changes
+    it."""
+    rng = rng or random.Random(0)
+    # binary operators, not unary minus
+    spots = [m.start(1) for m in re.finditer(r"[\d)]\s*([-+*/])", expr)]
+    for i in rng.sample(spots, len(spots)):
+        for new in rng.sample([o for o in "+-*/" if o != expr[i]], 3):
+            candidate = expr[:i] + new + expr[i + 1:]
+            value = evaluate_expression(candidate, numbers)
+            if value is not None and value != target:
+                return candidate
+    return None
