@@ -25,11 +25,13 @@ mkdir -p "$OUT"
 # 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
 DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens 160)
-# A wrong answer earns -0.5 (--wrong_reward -0.5), not paper 000's 0.1: when 160 tokens cut most searches short, the
-# 0.1 pays the policy to claim "found" falsely, and even at 0 RL learns to fake the check. lr 2e-4 at T 0.7 is the
-# largest stable lr measured (5e-4, even after a 5-step warm-up, and 1e-3 wreck the policy; docs/arithmetic.md)
-RL=(--lr 2e-4 --temperature 0.7 --batch_size 32 --micro_batch 64 --max_response_len 160 --max_steps 20 --eval_every 20
-    --save_every 5 --wrong_reward -0.5)
+# Only solving pays: a wrong answer and a search cut short both earn 0 (--wrong_reward 0 --no_answer_reward 0), not
+# paper 000's 0.1 (which paid the policy to claim "found" falsely) nor -0.5 for a wrong answer (which made a search
+# cut short the better bet); chosen on val over both (docs/strategies.md). lr 5e-5 for 50 steps, not 2e-4 for 20:
+# at 2e-4 the training reward fell in every stage (docs/arithmetic.md); here it climbs, and RL's selection is done by
+# step 25
+RL=(--lr 5e-5 --temperature 0.7 --batch_size 32 --micro_batch 64 --max_response_len 160 --max_steps 50 --eval_every 25
+    --save_every 25 --wrong_reward 0 --no_answer_reward 0)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
 # drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/loss_terms.md)
 PG=(--pg_norm mean)
@@ -67,25 +69,28 @@ elif [[ -n $FORCE || ! -f $OUT/base/wall_seconds ]]; then
   rm -rf "$OUT/base" && cp -r pretrained/tiny-base "$OUT/base" && echo 0 > "$OUT/base/wall_seconds"
 fi
 
-# 1. SFT from the base on solver-written traces (000 §3.2 Eq. 1): random tries until one reaches the target,
-#    a mean of one dead end and no cap; each try writes the target beside its value before the verdict ("found").
-#    Half the dead ends are near misses (the closest of 8 random paths): without them "found" means "close".
+# 1. SFT from the base on solver-written traces (000 §3.2 Eq. 1) in two search strategies (traces.py), so that RL
+#    has a behaviour to select: 70% random tries until one reaches the target (a mean of one dead end, no cap; each
+#    try writes the target beside its value before the verdict; half the dead ends near misses, without which
+#    "found" means "close"), 30% working backward from the target, one subgoal a line (docs/strategies.md).
 #    1,200 steps: 600 more lifted val pass@1 from 0.344 to 0.472 (docs/arithmetic.md)
 TRACES=(--near_misses 0.5 --micro_batch 16)
-stage sft python sft.py --init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --batch_size 64 \
-  --max_steps 1200 --eval_every 600 --output_dir "$OUT/sft"
+stage sft python sft.py --init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --strategies random:0.7,backward:0.3 \
+  --lr 1e-3 --batch_size 64 --max_steps 1200 --eval_every 600 --output_dir "$OUT/sft"
 
-# 2. A stronger teacher for OPD: the SFT model trained 300 steps longer (SFT length is the largest lever measured;
-#    traces with 3 dead ends cost 2.3 s a step here, 3x these)
-stage teacher python sft.py --init "$OUT/sft" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --lr 1e-3 --warmup 0 \
-  --batch_size 64 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
+# 2. A teacher for OPD: the SFT model trained 300 steps longer on traces that lean on working backward, as paper
+#    000's teacher does (§5: "working backwards from factorizations of the target"), so distillation has a way of
+#    searching to transfer
+stage teacher python sft.py --init "$OUT/sft" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --strategies random:0.3,backward:0.7 \
+  --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
 
 # 3. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2). lr 3e-5: at 1e-4 the chosen responses
 #    lost 1.8 nats too and val pass@1 fell 0.509 -> 0.404 (docs/arithmetic.md)
 stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts 1024 --max_new_tokens 160 \
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"
 
-# 4. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs
+# 4. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs. Watch
+#    train/strategy/backward in metrics.jsonl (and rl_curves.png): RL selects among the SFT model's two strategies
 stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" --output_dir "$OUT/rloo"
 
 # 5. GRPO from the SFT checkpoint (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model.
@@ -98,7 +103,7 @@ stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/teacher" "${COMMON[@]}
   --output_dir "$OUT/opd"
 
 # 7. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against
-#    its control: OPD run on for the same 20 steps with its knobs unchanged, so the table credits the knobs, not the steps
+#    its control: OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not the steps
 stage opd_anticollapse python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
   --entropy_coef 1e-2 --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"
 stage opd_longer python opd.py --init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
