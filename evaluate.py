@@ -1,11 +1,9 @@
 """Evaluate a checkpoint on held-out Countdown with the papers' fixed sampler (paper 000 §4: T 0.6,
 top_p 0.95, top_k 20, 16 samples, 1024 new tokens), so that methods differ only in their weights.
-Reports pass@k with the unbiased estimator and the expected samples drawn by verifier-guided
-best-of-N with early stopping (paper 000 Eq. 5), 3- vs 4-number splits, the format rate and each
-search strategy's share of the samples and pass rate (traces.strategy_of reads it from the
-text). Writes
-OUT/summary.json and OUT/samples.jsonl, the format other tools read; report.py turns a pipeline's
-evaluations into paper 000's Tables 1-2 and plots.
+Reports pass@k (unbiased), the samples drawn by verifier-guided best-of-N with early stopping
+(paper 000 Eq. 5), 3- vs 4-number splits, the format rate, each search strategy's share and pass
+rate (traces.strategy_of). Writes OUT/summary.json and OUT/samples.jsonl, the format other tools
+read; report.py turns a pipeline's evaluations into paper 000's Tables 1-2 and plots.
 
   python evaluate.py --model out/sft --out out/eval/sft                      # real setting, 1 GPU
   python evaluate.py --model out/cpu/sft --data gen:nums=3,range=1-9 --template compact \
@@ -164,7 +162,7 @@ def summarize(records):
             "by_size": by_size, "pass_at_1_stderr": se,
             "format_rate": sum(s > 0 for s in scores) / len(scores),
             "arithmetic": arithmetic(texts, targets),
-            "strategies": strategy_stats(texts, [s for r in records for s in r["scores"]]),
+            "strategies": strategy_stats(texts, scores),
             "verification": verification(correct, n, [len(r["nums"]) for r in records]),
             "best_of_n": {"accuracy": sum(c > 0 for c in correct) / len(correct),
                           "avg_samples": sum(expected_samples(n, c, n) for c in correct)
@@ -196,16 +194,14 @@ def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, s
         sampler.wake()
         sampler.sync(model)
     with torch.no_grad(), autocast(model.device.type):
-        summary, records = evaluate(model, tokenizer, tasks, n_samples,
-                                    max_new_tokens=max_new_tokens, template=template, seed=seed,
-                                    sampler=sampler)
+        summary, _ = evaluate(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens,
+                              template=template, seed=seed, sampler=sampler)
     if sampler is not None:
         sampler.sleep()
     model.train(was_training)
-    texts = [c for r in records for c in r["completions"]]
     return {"eval/format_rate": summary["format_rate"],
             **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
-            **strategy_metrics("eval", texts, [s for r in records for s in r["scores"]])}
+            **strategy_metrics("eval", summary["strategies"])}
 
 
 def write_results(out, summary, records):

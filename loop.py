@@ -11,7 +11,7 @@ import torch
 from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger
 from models import load_model
-from traces import strategy_metrics
+from traces import strategy_metrics, strategy_stats
 
 
 def load_policy(init, gradient_checkpointing, lora_rank=0, lora_alpha=0.0,
@@ -135,7 +135,7 @@ def rollout_metrics(ro, scores, reward, adv):
             "train/resp_len": sum(map(len, ro.completion_ids)) / n,
             # what the reward sees (no complete answer block) and what the budget did (no EOS)
             "train/no_answer": (scores == 0).float().mean(), "train/cut": 1 - sum(ro.finished) / n,
-            **strategy_metrics("train", ro.texts, scores.tolist())}
+            **strategy_metrics("train", strategy_stats(ro.texts, scores.tolist()))}
 
 
 class Run:

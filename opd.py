@@ -14,8 +14,8 @@ imperfect teacher. Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_co
      pulled 0.005 as hard as L_PG (grad/<term>; docs/loss_terms.md). --pg_norm mean divides L_PG
      by the token count, so line 9's 0.5 / 0.5 weigh like terms.
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
-  3. Embedded setting: a stronger tiny teacher written by sft.py, 32 prompts x 8, lr 2e-4, a wrong
-     answer rewarded -0.5 in the RL half (README, "OPD"; docs/arithmetic.md).
+  3. Embedded setting: a tiny teacher written by sft.py, 32 prompts x 8, lr 5e-5, a wrong answer
+     rewarded 0 in the RL half (README; docs/strategies.md).
 
 Real (1×H100, the paper's recipe = the defaults):
   python opd.py --init out/sft --teacher out/teacher --backend vllm

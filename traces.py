@@ -131,7 +131,7 @@ def backward_chaining(numbers, target, rng):
     return lines + more, answer
 
 
-STRATEGIES = {"random": random_tries, "backward": backward_chaining}
+STRATEGIES = ("random", "backward")  # random_tries, backward_chaining
 
 
 def parse_mix(text):
@@ -153,7 +153,8 @@ def parse_mix(text):
 
 def strategy_of(response):
     """The strategy a trace (or a model's sample) opens with, read from its text: 'backward' if its
-    first try is a 'Need c:' line, 'random' if it opens with a step 'a op b = v', else 'other'."""
+    first line is a subgoal ('Need ...'), 'random' if it opens with a step 'a op b = v', else
+    'other'."""
     first = response.lstrip()
     if first.startswith("Need "):
         return "backward"
@@ -172,11 +173,11 @@ def strategy_stats(texts, scores):
     return out
 
 
-def strategy_metrics(prefix, texts, scores):
-    """PREFIX/strategy/NAME: each search strategy's share of the samples (a student watches RL
-    select one); PREFIX/strategy_acc/NAME: the share of its samples that solve."""
+def strategy_metrics(prefix, stats):
+    """strategy_stats as log metrics. PREFIX/strategy/NAME: each search strategy's share of the
+    samples (a student watches RL select one); PREFIX/strategy_acc/NAME: how many of them solve."""
     out = {}
-    for name, s in strategy_stats(texts, scores).items():
+    for name, s in stats.items():
         out[f"{prefix}/strategy/{name}"] = s["share"]
         if s["pass@1"] is not None:
             out[f"{prefix}/strategy_acc/{name}"] = s["pass@1"]

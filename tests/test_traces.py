@@ -85,7 +85,7 @@ def test_strategy_stats_and_metrics():
     assert stats == {"random": {"share": 0.25, "pass@1": 0.0},
                      "backward": {"share": 0.5, "pass@1": 0.5},
                      "other": {"share": 0.25, "pass@1": 1.0}}
-    m = TR.strategy_metrics("train", texts[:1], [1.0])
+    m = TR.strategy_metrics("train", TR.strategy_stats(texts[:1], [1.0]))
     # a strategy no sample used: share 0, and no pass rate rather than a made-up one
     assert m == {"train/strategy/random": 0.0, "train/strategy/backward": 1.0,
                  "train/strategy_acc/backward": 1.0}
