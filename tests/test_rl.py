@@ -284,7 +284,7 @@ def sft_model(tmp_path_factory):
 @pytest.mark.parametrize("module", [rloo, grpo])
 def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     """The learning check, with the RL flags run_cpu.sh gives its rloo and grpo stages (its RL=(...)
-    array: lr, temperature, batch geometry, budget, reward of a wrong answer; rloo adds PG=(...),
+    array: lr, steps, temperature, batch geometry, budget, rewards; rloo adds PG=(...),
     grpo β 0.04): on 32 problems seen every step, training accuracy must climb. New problems every
     step do not move it as much on the tiny model: docs/arithmetic.md."""
     tasks = D.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
@@ -293,10 +293,10 @@ def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     script = open(os.path.join(ROOT, "run_cpu.sh")).read()
     flags = {name: shlex.split(re.search(rf"^{name}=\((.*?)\)", script, re.S | re.M).group(1))
              for name in ("RL", "PG")}
-    assert "--lr" in flags["RL"] and "--wrong_reward" in flags["RL"] and "--pg_norm" in flags["PG"], flags
+    assert {"--lr", "--max_steps", "--wrong_reward", "--no_answer_reward"} <= set(flags["RL"]) and "--pg_norm" in flags["PG"]
     pipeline = flags["RL"] + (["--beta", "0.04"] if module is grpo else flags["PG"])
     module.main(["--init", sft_model, *pipeline, "--data", str(data), "--eval_data", GEN, "--template", "compact",
-                 "--eval_problems", "4", "--eval_samples", "2", "--eval_max_new_tokens", "8", "--max_steps", "20",
-                 "--eval_every", "0", "--output_dir", str(tmp_path / "rl")])
+                 "--eval_problems", "4", "--eval_samples", "2", "--eval_max_new_tokens", "8",
+                 "--eval_every", "0", "--output_dir", str(tmp_path / "rl")])  # the pipeline's steps, too
     acc = [r["train/accuracy"] for r in map(json.loads, open(tmp_path / "rl" / "metrics.jsonl")) if r["step"] > 0]
     assert sum(acc[-4:]) / 4 > sum(acc[:4]) / 4 + 0.05, acc
