@@ -1,5 +1,5 @@
 """Which problems an RL step trains on, by difficulty: rloo.py's and grpo.py's --curriculum, and the
-probe behind grpo.py's --adaptive_temperature.
+probe behind grpo.py's --adaptive_temperature and the temperatures it gives each rollout.
   tiers   paper 001 Algorithm 1: tiers T_0..T_{m-1} by (operand count, target bin), easiest first.
           A step draws uniformly from T_0 ∪ ... ∪ T_level; when the mean rollout accuracy of the
           last W steps reaches τ, the next tier unlocks and the window clears.
@@ -12,6 +12,8 @@ Departures: 001 gives no W or τ (ours: 10 steps, 0.6); 002 filters by one SFT a
 (ours: k samples, and "sometimes" rather than "right")."""
 import json
 import os
+
+import torch
 
 from common import CountdownError
 from sampler import rollouts, score_rollouts
@@ -109,3 +111,26 @@ def make_curriculum(mode, tasks, bins, window, threshold, state=None):
                                  "or never; probe more (--probe_problems, --probe_samples)")
         return Curriculum([keep], window, threshold)
     return Curriculum([list(range(len(tasks)))], window, threshold)
+
+
+def parse_temperatures(adaptive, backend, bottom_p):
+    """--adaptive_temperature as (T_easy, T_hard), or () when off; one line for what cannot run."""
+    if bottom_p < 1 and backend != "hf":
+        raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
+    try:
+        temps = tuple(float(x) for x in adaptive.split(",")) if adaptive else ()
+    except ValueError:
+        temps = None
+    if temps is None or len(temps) not in (0, 2) or any(t <= 0 for t in temps or ()):
+        raise CountdownError("--adaptive_temperature must be EASY,HARD (e.g. 0.6,1.5), not "
+                             f"{adaptive!r}")
+    return temps
+
+
+def row_temperatures(batch, G, T, T_easy_hard):
+    """002 §5.2's adaptive temperature: explore what the init fails, exploit what it solves. The
+    sampler's T (one per prompt, or T) and the trainer's (one per rollout (B*G,), or T)."""
+    if not T_easy_hard:
+        return T, T
+    per_prompt = [T_easy_hard[t["solve_rate"] < 0.5] for t in batch]
+    return per_prompt, torch.tensor(per_prompt).repeat_interleave(G)

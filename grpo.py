@@ -31,13 +31,13 @@ from functools import partial
 import torch
 
 from checkpoints import prepare_run
-from common import (CountdownError, CurriculumArgs, arg, autocast, check_choice, check_rl_args, cli,
-                    parse_args, seed_everything)
-from curriculum import setup_curriculum
+from common import (CurriculumArgs, arg, autocast, check_choice, check_rl_args, cli, parse_args,
+                    seed_everything)
+from curriculum import parse_temperatures, row_temperatures, setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
-from loop import Run, load_policy, mix_reference, rollout_metrics, step_seed
+from loop import Run, load_policy, loss_rows, mix_reference, rollout_metrics, step_seed
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
@@ -137,37 +137,6 @@ def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
     if mode == "token-mean":
         return (per_token * mask).sum() / max(n_tokens, 1)
     return (per_token * mask).sum() / (n_rows * max_len)                               # constant
-
-
-def parse_temperatures(adaptive, backend, bottom_p):
-    """--adaptive_temperature as (T_easy, T_hard), or () when off; one line for what cannot run."""
-    if bottom_p < 1 and backend != "hf":
-        raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
-    try:
-        temps = tuple(float(x) for x in adaptive.split(",")) if adaptive else ()
-    except ValueError:
-        temps = None
-    if temps is None or len(temps) not in (0, 2) or any(t <= 0 for t in temps or ()):
-        raise CountdownError("--adaptive_temperature must be EASY,HARD (e.g. 0.6,1.5), not "
-                             f"{adaptive!r}")
-    return temps
-
-
-def row_temperatures(batch, G, T, T_easy_hard):
-    """002 §5.2's adaptive temperature: explore what the init fails, exploit what it solves. The
-    sampler's T (one per prompt, or T) and the trainer's (one per rollout (B*G,), or T)."""
-    if not T_easy_hard:
-        return T, T
-    per_prompt = [T_easy_hard[t["solve_rate"] < 0.5] for t in batch]
-    return per_prompt, torch.tensor(per_prompt).repeat_interleave(G)
-
-
-def loss_rows(ro, mask_truncated):
-    """Which rollouts the loss keeps (B*G,) and their response tokens: all, or with 002 §3's
-    --mask_truncated only those that ended (EOS) within the budget."""
-    keep = torch.tensor(ro.finished, dtype=torch.float32) if mask_truncated else \
-        torch.ones(len(ro.completion_ids))
-    return keep, sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)
 
 
 def main(argv=None):

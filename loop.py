@@ -124,6 +124,14 @@ class StepStats:
         return {**out, "train/sampler_gap": self.gap / self.n_tokens}
 
 
+def loss_rows(ro, mask_truncated):
+    """Which rollouts the loss keeps (B*G,) and their response tokens: all, or with 002 §3's
+    --mask_truncated only those that ended (EOS) within the budget."""
+    keep = torch.tensor(ro.finished, dtype=torch.float32) if mask_truncated else \
+        torch.ones(len(ro.completion_ids))
+    return keep, sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)
+
+
 def rollout_metrics(ro, scores, reward, adv):
     """Paper 001's flatline diagnostics of an RL batch. scores (B*G,): verifier scores 0/0.1/1;
     reward (B, G): what the advantage saw; adv (B*G,). A group whose rewards are all equal has A
