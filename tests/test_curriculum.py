@@ -196,3 +196,13 @@ def test_bad_curriculum_and_exploration_flags_are_one_line_errors(flags, message
     r = subprocess.run([sys.executable, "grpo.py", "--init", tiny_ckpt, *FAST, "--probe_problems", "4", *flags,
                         "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_row_temperatures_explore_the_hard_problems_and_exploit_the_easy_ones():
+    # 002 §5.2: T_hard where the init solves under half its samples, T_easy elsewhere; the trainer
+    # gets one per rollout, each prompt's repeated G times in the rollouts' order
+    batch = [{"solve_rate": r} for r in (0.0, 0.5, 1.0, 0.25)]
+    sampler_T, trainer_T = C.row_temperatures(batch, 2, 0.7, (0.6, 1.5))
+    assert sampler_T == [1.5, 0.6, 0.6, 1.5]
+    assert torch.allclose(trainer_T, torch.tensor([1.5, 1.5, 0.6, 0.6, 0.6, 0.6, 1.5, 1.5]))
+    assert C.row_temperatures(batch, 2, 0.7, ()) == (0.7, 0.7)  # off: --temperature for all
