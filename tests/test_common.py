@@ -72,6 +72,23 @@ def test_chunked_logprobs_gradient_matches_naive():
         assert torch.allclose(a, p.grad, atol=1e-5)
 
 
+def test_right_padding_drops_the_mask_and_left_padding_keeps_it(monkeypatch):
+    """token_stats runs right-padded rows under the causal mask alone (faster, same values) and
+    left-padded ones under their mask; both match the naive forward with the mask."""
+    model = qwen_like(1000)
+    ids, right, mask = batch(1000)
+    left = right.flip(1)
+    masks = []
+    decoder = model.get_decoder()
+    monkeypatch.setattr(model, "get_decoder",
+                        lambda: lambda **kw: masks.append(kw["attention_mask"]) or decoder(**kw))
+    for attn in (right, left):
+        sel = (mask * attn)[:, 1:].bool()
+        logp = LP.token_stats(model, ids, attn, mask * attn)["logp"]
+        assert torch.allclose(logp[sel], naive_stats(model, ids, attn)[1][sel], atol=1e-5)
+    assert masks[0] is None and masks[1] is left
+
+
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
 def test_forward_kl_matches_naive_with_padded_teacher_vocab(temperature):
     # teacher vocab padded by 24
