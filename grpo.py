@@ -146,7 +146,7 @@ def main(argv=None):
     T_easy_hard = parse_temperatures(args.adaptive_temperature, args.backend, args.bottom_p)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
+    model, tok, device = load_policy(args.init, **args.policy_options())
     # π_ref: the frozen init
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
     tasks = load_tasks(args.data, "train")

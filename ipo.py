@@ -169,7 +169,7 @@ def main(argv=None):
                              f"{args.micro_batch}")
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
+    model, tok, device = load_policy(args.init, **args.policy_options())
     ref = copy.deepcopy(model).eval().requires_grad_(False)  # π_ref: the frozen init
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
                            args.max_prompt_len + args.max_new_tokens)

@@ -14,11 +14,13 @@ from models import load_model
 from traces import strategy_metrics, strategy_stats
 
 
-def load_policy(init, gradient_checkpointing, lora_rank=0, lora_alpha=0.0,
+def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, lora_alpha=0.0,
                 lora_targets="all-linear", **tiny_overrides):
     """(model, tokenizer, device) to train: fp32 master weights (bf16 compute comes from autocast).
     With lora_rank > 0 only low-rank adapters train (peft; papers 001 and 002): the model is a
-    PeftModel, and save_checkpoint writes it merged, an ordinary checkpoint for the next --init."""
+    PeftModel, and save_checkpoint writes it merged, an ordinary checkpoint for the next --init.
+    With `compile`, the decoder's forward (what token_stats runs) is torch.compile'd; the sampler
+    runs the layers one by one and stays eager."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tok = load_model(init, device, torch.float32, **tiny_overrides)
     # from_pretrained returns eval mode, where transformers never checkpoints: train mode is what
@@ -39,6 +41,8 @@ def load_policy(init, gradient_checkpointing, lora_rank=0, lora_alpha=0.0,
             model = get_peft_model(model, config)
         except ValueError as e:  # a target name the model does not have
             raise CountdownError(f"--lora_targets {lora_targets}: {e}") from None
+    if compile:  # dynamic: every micro-batch has its own length; the first call compiles
+        model.get_decoder().compile(dynamic=True)
     return model, tok, device
 
 

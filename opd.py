@@ -105,7 +105,7 @@ def main(argv=None):
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
+    model, tok, device = load_policy(args.init, **args.policy_options())
     teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)

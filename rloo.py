@@ -110,7 +110,7 @@ def main(argv=None):
     check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
+    model, tok, device = load_policy(args.init, **args.policy_options())
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,

@@ -278,7 +278,7 @@ def main(argv=None):
     check_rl_args(args.group_size)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora())
+    model, tok, device = load_policy(args.init, **args.policy_options())
     student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
     ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref
     # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are

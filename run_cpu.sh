@@ -74,16 +74,18 @@ fi
 #    try writes the target beside its value before the verdict; half the dead ends near misses, without which
 #    "found" means "close"), 30% working backward from the target, one subgoal a line (docs/strategies.md).
 #    2,000 steps: at 1,200 the model carried out working backward far worse than random tries (val pass@1 0.284
-#    against 0.474, all 0.422); at 2,000 as well (0.541 against 0.535, all 0.537; docs/strategies.md)
+#    against 0.474, all 0.422); at 2,000 as well (0.541 against 0.535, all 0.537; docs/strategies.md); 1,000 steps at
+#    lr 2e-3 did not make up for them (0.440, backward 0.279). --compile: its steps 0.44 s instead of 0.57 after a
+#    first compile of about 2 min (docs/performance.md)
 TRACES=(--near_misses 0.5 --micro_batch 16)
 stage sft python sft.py --init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --strategies random:0.7,backward:0.3 \
-  --lr 1e-3 --batch_size 64 --max_steps 2000 --eval_every 500 --output_dir "$OUT/sft"
+  --lr 1e-3 --batch_size 64 --max_steps 2000 --eval_every 500 --compile --output_dir "$OUT/sft"
 
 # 2. A teacher for OPD: the SFT model trained 300 steps longer on traces that lean on working backward, as paper
 #    000's teacher does (§5: "working backwards from factorizations of the target"), so distillation has a way of
 #    searching to transfer
 stage teacher python sft.py --init "$OUT/sft" "${COMMON[@]}" "${TRACES[@]}" --dead_ends 1 --strategies random:0.3,backward:0.7 \
-  --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 300 --eval_every 300 --output_dir "$OUT/teacher"
+  --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 300 --eval_every 300 --compile --output_dir "$OUT/teacher"
 
 # 3. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2). lr 3e-5: at 1e-4 the chosen responses
 #    lost 1.8 nats too and val pass@1 fell 0.509 -> 0.404 (docs/arithmetic.md)

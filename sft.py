@@ -162,7 +162,7 @@ def main(argv=None):
         raise CountdownError(f"--strategies: {e}") from None
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
-    model, tok, device = load_policy(args.init, args.gradient_checkpointing, **args.lora(),
+    model, tok, device = load_policy(args.init, **args.policy_options(),
                                      hidden_size=args.tiny_hidden,
                                      num_hidden_layers=args.tiny_layers)
     data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,

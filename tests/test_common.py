@@ -368,6 +368,32 @@ def test_gradient_checkpointing_keeps_less_for_backward_with_the_same_gradients(
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[True][2], out[False][2]))
 
 
+def test_compile_runs_the_training_forward_compiled_with_the_same_loss_and_gradients():
+    """--compile: token_stats' decoder forward goes through torch.compile, one graph for two
+    lengths (dynamic shapes), with the eager loss and gradients (fp32, 1e-5); the sampler, which
+    runs the layers one by one, draws the same tokens. A 1-layer model keeps the compile short."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    out = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model, tok, _ = L.load_policy("tiny", compile=flag, hidden_size=32, num_hidden_layers=1)
+        losses = []
+        for T in (24, 37):
+            ids = torch.randint(0, len(tok), (3, T), generator=torch.Generator().manual_seed(T))
+            ones = torch.ones_like(ids)
+            loss = -LP.token_stats(model, ids, ones, ones)["logp"].mean()
+            loss.backward()
+            losses.append(loss.item())
+        tokens = S.HFSampler(model, tok).generate(["12 3 4"], n=2, max_new_tokens=8, seed=0)
+        out[flag] = losses, [p.grad for p in model.parameters()], tokens.completion_ids
+    assert counters["stats"]["unique_graphs"] == 1  # compiled, and not again for the new length
+    assert out[True][0] == pytest.approx(out[False][0], abs=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out[True][1], out[False][1]))
+    assert out[True][2] == out[False][2]
+
+
 def test_the_shipped_base_is_run_cpu_sh_base_stage_output():
     """pretrained/tiny-base is what `run_cpu.sh --rebuild-base` trains: its args.json holds stage 0's
     flags as the script writes them today, on the model and tokenizer `--init tiny` builds. So copying
