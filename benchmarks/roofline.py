@@ -2,7 +2,8 @@
 of sampling (RL rollouts 64 x 8 at T 0.7 and the 200 x 16 evaluation, 160 new tokens), the FLOP/s
 they imply, and their share of the cores' peak, measured with a 2048^3 matmul in the same precision.
 Training runs in fp32 and, forced on with COUNTDOWN_CPU_BF16 (slow where the CPU lacks native bf16),
-in bf16 autocast as the scripts do; sampling in fp32, with today's HFSampler and the one it replaced.
+in bf16 autocast as the scripts do, and the SFT step again with --compile; sampling in fp32, with
+today's HFSampler and the one it replaced.
     python benchmarks/roofline.py --init out/cpu/sft
 FLOPs per token: 2 per weight of every linear layer and the tied lm_head (forward), plus attention's
 4 · layers · context · hidden; training counts 3x the forward (forward and backward)."""
@@ -149,6 +150,12 @@ def main():
         os.environ["COUNTDOWN_CPU_BF16"] = "1" if precision == "bf16" else "0"
         step, tokens = rl_update(model, tok, ro, device)
         row("RL update, 512 rollouts", precision, tokens, timed(step, args.reps), 60, 3)
+    # --compile (loop.load_policy): the warm-up call of timed() compiles, the timed ones reuse it
+    model.get_decoder().compile(dynamic=True)
+    for precision in ("fp32", "bf16"):
+        os.environ["COUNTDOWN_CPU_BF16"] = "1" if precision == "bf16" else "0"
+        step, tokens = sft_step(model, opt, tok, tasks, device)
+        row("SFT step, 64 traces, --compile", precision, tokens, timed(step, args.reps), 60, 3)
 
 
 if __name__ == "__main__":
