@@ -68,9 +68,6 @@ class TrainArgs:
     eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
-    compile: bool = arg(False, "torch.compile the training forward (dynamic shapes): a first "
-                               "compile of ~100 s, ~15 s from inductor's cache; then SFT steps "
-                               "1.4x faster here (docs/performance.md)")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
     save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 "
                               "are kept)")
@@ -88,9 +85,8 @@ class TrainArgs:
 
     def policy_options(self):
         """load_policy's keyword arguments."""
-        return dict(gradient_checkpointing=self.gradient_checkpointing, compile=self.compile,
-                    lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
-                    lora_targets=self.lora_targets)
+        return dict(gradient_checkpointing=self.gradient_checkpointing, lora_rank=self.lora_rank,
+                    lora_alpha=self.lora_alpha, lora_targets=self.lora_targets)
 
     def run_options(self, output_dir):
         """The plumbing flags as loop.Run's keyword arguments; args.json records the dir written
