@@ -124,6 +124,20 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
     assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
 
+def test_sft_compile_flag_compiles_the_forward_and_saves_a_plain_checkpoint(tmp_path):
+    """sft.py --compile (run_cpu.sh's sft and teacher stages) trains through the compiled decoder
+    and saves the ordinary checkpoint the next stage loads; the RL scripts refuse the flag."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    model = sft.main(["--init", "tiny", "--tiny_hidden", "32", "--tiny_layers", "1", *FAST, "--batch_size", "4",
+                      "--micro_batch", "2", "--max_steps", "1", "--compile", "--output_dir", str(tmp_path / "c")])
+    assert counters["stats"]["unique_graphs"] >= 1
+    again, _ = M.load_model(str(tmp_path / "c"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    r = run("rloo.py", "--compile")
+    assert r.returncode == 2 and "unrecognized arguments: --compile" in r.stderr
+
+
 def test_base_stage_trains_on_plain_arithmetic(tmp_path):
     """--data arith:...: no prompt, the whole text is the target; fresh random paths each epoch; the
     run's held-out check is eval/loss (a base model writes no answers to sample pass@k from)."""
