@@ -40,15 +40,16 @@ def _filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None
     likely tokens that together hold at most 1 − bottom_p of what top-p kept. The token that
     crosses that mass always stays, so at least one does. (N, V) -> (N, V)."""
     logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, -1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = logits.sort(-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        logits = torch.full_like(logits, float("-inf")).scatter(
-            -1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    V = logits.shape[-1]
+    if 0 < top_k < V or top_p < 1.0:
+        # the candidates in descending order: the top k, else all V. Top-p within the k, sorting k
+        # values instead of V, made the evaluation's sampling 5x cheaper (a tie at the k-th logit
+        # keeps k, not every tied one)
+        vals, idx = logits.topk(top_k, -1) if 0 < top_k < V else logits.sort(-1, descending=True)
+        if top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
+            probs = vals.softmax(-1)  # (N, k or V)
+            vals = vals.masked_fill(probs.cumsum(-1) - probs > top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, vals)
     if bottom_p < 1.0:
         sorted_logits, idx = logits.sort(-1, descending=True)
         drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - bottom_p  # (N, V) the head to cut
@@ -63,8 +64,8 @@ def _sample(logits, gen):
     torch.multinomial draws one exponential per vocabulary entry (measured: 8% of all sampling
     time). (N, V) -> (N,)"""
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
-    u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]
-    return (cdf < u).sum(-1).clamp(max=cdf.shape[-1] - 1)  # the first index whose cdf reaches u
+    u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]  # (N, 1)
+    return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[-1] - 1)  # first cdf ≥ u
 
 
 class HFSampler:

@@ -21,10 +21,39 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import CountdownError  # noqa: E402
 from data import load_tasks, make_prompt  # noqa: E402
 from models import load_model  # noqa: E402
-from sampler import HFSampler, _filter_logits, _sample  # noqa: E402
+from sampler import HFSampler  # noqa: E402
 
 SHAPES = {"rl": dict(split="train", problems=64, n=8, temperature=0.7, top_p=1.0, top_k=0),
           "eval": dict(split="test", problems=200, n=16, temperature=0.6, top_p=0.95, top_k=20)}
+
+
+# the loop's sampling as it was (sampler.py's draws the same tokens, faster): the reference times it
+def _old_filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None):
+    """sampler._filter_logits as it was: top-p sorted the whole vocabulary. (N, V) -> (N, V)"""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            -1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    if bottom_p < 1.0:
+        sorted_logits, idx = logits.sort(-1, descending=True)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - bottom_p  # (N, V) the head to cut
+        if explore is not None:
+            drop &= explore[:, None]
+        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def _old_sample(logits, gen):
+    """sampler._sample as it was: the inverse CDF by a comparison and a sum. (N, V) -> (N,)"""
+    cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
+    u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]
+    return (cdf < u).sum(-1).clamp(max=cdf.shape[-1] - 1)  # the first index whose cdf reaches u
 
 
 class OldHFSampler(HFSampler):
@@ -60,8 +89,8 @@ class OldHFSampler(HFSampler):
                 explore = None
                 if bottom_p < 1.0:
                     explore = torch.rand(len(logits), generator=gen, device=dev) < bottom_p_freq
-                tok = _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore),
-                              gen)
+                tok = _old_sample(_old_filter_logits(logits, temperature, top_k, top_p, bottom_p,
+                                                     explore), gen)
             rows_t = live[active]
             toks[rows_t, t] = tok[active]
             # the trainer's token_stats(temperature=T)
