@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import CountdownError  # noqa: E402
 from data import load_tasks, make_prompt  # noqa: E402
 from models import load_model  # noqa: E402
-from sampler import HFSampler  # noqa: E402
+from sampler import HFSampler, _filter_logits  # noqa: E402
 
 SHAPES = {"rl": dict(split="train", problems=64, n=8, temperature=0.7, top_p=1.0, top_k=0),
           "eval": dict(split="test", problems=200, n=16, temperature=0.6, top_p=0.95, top_k=20)}
@@ -42,13 +42,7 @@ def _old_filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         logits = torch.full_like(logits, float("-inf")).scatter(
             -1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    if bottom_p < 1.0:
-        sorted_logits, idx = logits.sort(-1, descending=True)
-        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - bottom_p  # (N, V) the head to cut
-        if explore is not None:
-            drop &= explore[:, None]
-        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
+    return _filter_logits(logits, 1.0, 0, 1.0, bottom_p, explore)  # bottom-p: unchanged since
 
 
 def _old_sample(logits, gen):
