@@ -77,6 +77,9 @@ class HFSampler:
     256 (a step's fixed cost is shared by more rows), no faster in 2,048 (docs/performance.md)."""
 
     def __init__(self, model, tokenizer, batch_size=1024):
+        if batch_size < 1:
+            raise CountdownError(f"--batch_size (rows decoded together) must be at least 1, not "
+                                 f"{batch_size}")
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
 
     def sync(self, model):

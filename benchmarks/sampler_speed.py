@@ -12,6 +12,7 @@ gives the old loop the larger batch too.
 """
 import argparse
 import cProfile
+import inspect
 import os
 import pstats
 import sys
@@ -50,6 +51,12 @@ def _old_sample(logits, gen):
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
     u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]
     return (cdf < u).sum(-1).clamp(max=cdf.shape[-1] - 1)  # the first index whose cdf reaches u
+
+
+def _cache_arg(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: kwargs
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else \
+        "past_key_values"
 
 
 class OldHFSampler(HFSampler):
@@ -104,8 +111,11 @@ class OldHFSampler(HFSampler):
                 active = active[keep]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
             pos = pos[:, -1:] + 1
+            # the cache by the name this transformers takes: `past_key_values` is deprecated for
+            # `cache` (removed in 5.40), which 4.x does not know
+            cache = {_cache_arg(self.model): out.past_key_values}
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
-                             past_key_values=out.past_key_values, use_cache=True)
+                             use_cache=True, **cache)
         finished = (toks.gather(1, (lengths - 1)[:, None])[:, 0] == eos).tolist()
         lengths = lengths.tolist()
         return ([x[:k] for x, k in zip(toks.tolist(), lengths)],

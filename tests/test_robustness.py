@@ -179,6 +179,8 @@ def test_clear_one_line_errors(ckpt, tmp_path):
                        str(tmp_path / "h")), "not a multiple")
     one_line_error(run("rloo.py", "--init", ckpt, *RL, "--max_prompt_len", "5", "--output_dir", str(tmp_path / "i")),
                    "longer than --max_prompt_len 5")
+    one_line_error(run("evaluate.py", "--model", ckpt, "--data", GEN, "--num_problems", "2", "--batch_size", "0"),
+                   "--batch_size (rows decoded together) must be at least 1, not 0")
     # the main venv: the vLLM lane has a venv of its own
     if importlib.util.find_spec("vllm") is None:
         one_line_error(run("evaluate.py", "--model", ckpt, "--backend", "vllm", "--data", GEN, "--num_problems", "2"),
