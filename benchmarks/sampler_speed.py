@@ -162,8 +162,8 @@ def main():
     model.eval()
     cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, avx512_bf16: "
-          f"{'avx512_bf16' in cpu}, model {args.init}, batch_size {args.batch_size} (old: {args.old_batch_size}), load average "
-          f"{os.getloadavg()[0]:.2f} (1 min)")
+          f"{'avx512_bf16' in cpu}, model {args.init}, batch_size {args.batch_size} (old: "
+          f"{args.old_batch_size}), load average {os.getloadavg()[0]:.2f} (1 min)")
     samplers = {"old": OldHFSampler(model, tok, args.old_batch_size),
                 "new": HFSampler(model, tok, args.batch_size)}
     for name in (["rl", "eval"] if args.shape == "both" else [args.shape]):
