@@ -54,6 +54,8 @@ def _old_sample(logits, gen):
 
 
 def _cache_arg(model):
+    """The name under which this transformers takes and returns the KV cache: `cache` since 5.x
+    renamed `past_key_values` (gone in 5.40), which 4.x does not know."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: kwargs
     return "cache" if "cache" in inspect.signature(type(base).forward).parameters else \
         "past_key_values"
@@ -106,16 +108,14 @@ class OldHFSampler(HFSampler):
             # drop finished rows from the batch and its KV cache
             if active.sum() <= 0.75 * len(live):
                 keep = active.nonzero()[:, 0]
-                out.past_key_values.batch_select_indices(keep)
+                out[_cache_arg(self.model)].batch_select_indices(keep)
                 live, tok, attn, pos = live[keep], tok[keep], attn[keep], pos[keep]
                 active = active[keep]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
             pos = pos[:, -1:] + 1
-            # the cache by the name this transformers takes: `past_key_values` is deprecated for
-            # `cache` (removed in 5.40), which 4.x does not know
-            cache = {_cache_arg(self.model): out.past_key_values}
+            name = _cache_arg(self.model)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
-                             use_cache=True, **cache)
+                             use_cache=True, **{name: out[name]})
         finished = (toks.gather(1, (lengths - 1)[:, None])[:, 0] == eos).tolist()
         lengths = lengths.tolist()
         return ([x[:k] for x, k in zip(toks.tolist(), lengths)],
