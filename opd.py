@@ -149,7 +149,7 @@ def main(argv=None):
             stats.sampler_gap(st["logp"], old_logp, m)
         # ---- optimizer step, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
-        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv)})
+        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv, batch)})
     run.close()
     return model
 

@@ -155,7 +155,7 @@ def main(argv=None):
             stats.sampler_gap(st["logp"], old_logp, m)
         # ---- optimizer step, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
-        metrics = {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv),
+        metrics = {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv, batch),
                    **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
         run.end_step(step, metrics, curriculum=curriculum.state())
     run.close()

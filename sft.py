@@ -33,8 +33,8 @@ from evaluate import eval_metrics
 from logprobs import token_stats, tokenize_pairs
 from loop import Run, StepStats, load_policy
 from rlt import teacher_prompt
-from traces import arith_text, make_trace, parse_mix
-from verifier import extract_answer
+from traces import LLM_MISTAKES, MISTAKES, arith_text, make_trace, parse_mix
+from verifier import extract_answer, score
 
 
 @dataclass
@@ -76,6 +76,12 @@ class Args(TrainArgs):
                                   "random path")
     strategies: str = arg("random", "gen data: the traces' search strategies and weights, e.g. "
                                     "'random:0.7,backward:0.3' (traces.STRATEGIES)")
+    mistakes: str = arg(LLM_MISTAKES, "gen data: the unverified source, the analog of LLM-written "
+                                      "traces: each trace carries mistake KIND with probability "
+                                      "RATE (traces.MISTAKES); the default leaves ~37 %% correct, "
+                                      "as in the real SFT set; 'none': the solver's own traces")
+    verified: bool = arg(False, "gen data: paper 001's verification gate: drop every trace the "
+                                "scorer rejects (of the default source, ~37 %% stay)")
     fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new "
                                     "one each epoch")
     compile: bool = arg(False, "torch.compile the training forward (dynamic shapes): a first "
@@ -95,7 +101,7 @@ def sft_loss(logp, mask):
 
 
 def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses=0.0,
-             fixed_traces=False, seed=0, mix=None):
+             fixed_traces=False, seed=0, mix=None, mistakes=None, verified=False):
     """Prompts and a function rng -> responses: solver traces of generated problems (new ones each
     call: another solution path, other dead ends; each trace's strategy drawn from `mix`), plain
     arithmetic over their numbers (no prompt: the whole text is the target, 4 random paths a
@@ -116,12 +122,17 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
             nums = [t["nums"] for t in tasks]
             return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng)
                                                    for i in range(len(nums))]
-        def write(rng):
-            return [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix)
-                    for t in tasks]
+        def write(rng):  # with `verified`, 001's gate: a trace the scorer rejects becomes None
+            out = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix, mistakes)
+                   for t in tasks]
+            return [x if not verified or score(x, t["nums"], t["target"]) == 1.0 else None
+                    for x, t in zip(out, tasks)]
         fixed = write(random.Random(seed)) if fixed_traces else None
         return [make_prompt(t["nums"], t["target"], template) for t in tasks
                 ], lambda rng: fixed or write(rng)
+    if verified:
+        raise CountdownError("--verified gates generated traces (--data gen:...): a dataset's rows "
+                             "are taken as they are")
     if os.path.exists(data):  # a file has no splits: its last rows (up to 10%) are the held-out set
         rows = load_records(data, "train", ["query", "completion"])
         k = min(eval_problems, len(rows) // 10)
@@ -135,7 +146,9 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
 def micro_batches(tok, prompts, responses, size, max_prompt_len, max_response_len, device):
     """Tokenize a step's examples once, sort them by length (the step's loss is a sum, so order is
     free), and yield micro-batches (input_ids, attention_mask, response mask) cut to their own
-    longest row."""
+    longest row. A None response (a trace the verification gate dropped) drops its row."""
+    keep = [i for i, r in enumerate(responses) if r is not None]
+    prompts, responses = [prompts[i] for i in keep], [responses[i] for i in keep]
     ids, attn, mask = tokenize_pairs(tok, prompts, responses, max_prompt_len, max_response_len)
     by_len = attn.sum(1).argsort()                                                       # (B,)
     ids, attn, mask = ids[by_len], attn[by_len], mask[by_len]
@@ -163,8 +176,9 @@ def main(argv=None):
                              f"{args.micro_batch}")
     try:
         mix = parse_mix(args.strategies)
+        mistakes = parse_mix(args.mistakes, MISTAKES, rates=True)
     except ValueError as e:
-        raise CountdownError(f"--strategies: {e}") from None
+        raise CountdownError(f"--strategies / --mistakes: {e}") from None
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options(), compile=args.compile,
@@ -172,7 +186,8 @@ def main(argv=None):
                                      num_hidden_layers=args.tiny_layers)
     data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,
                    dead_ends=args.dead_ends, near_misses=args.near_misses,
-                   fixed_traces=args.fixed_traces, seed=args.seed, mix=mix)
+                   fixed_traces=args.fixed_traces, seed=args.seed, mix=mix, mistakes=mistakes,
+                   verified=args.verified)
     prompts, write_responses = data("train", args.num_train)
     val_prompts, write_val = data("val", args.eval_problems)  # disjoint from train by construction
     batches = partial(micro_batches, tok, size=args.micro_batch, max_prompt_len=args.max_prompt_len,

@@ -11,7 +11,7 @@ import random
 import re
 from fractions import Fraction
 
-from verifier import _moves, _search, evaluate_expression
+from verifier import _moves, _search, evaluate_expression, extract_answer
 
 
 def _steps_text(steps):
@@ -46,12 +46,19 @@ def arith_text(problems, rng):
     return "\n".join(_steps_text(random_path(nums, rng)[1]) for nums in problems)
 
 
+def closest_miss(numbers, target, rng, tries=8):
+    """The closest miss of `tries` random legal paths, (expr, steps), or None if all hit (or one
+    number)."""
+    paths = (random_path(numbers, rng) for _ in range(tries))
+    misses = [p for p in paths if p[1] and p[1][-1][3] != target]
+    return min(misses, key=lambda p: abs(p[1][-1][3] - target)) if misses else None
+
+
 def near_miss(numbers, target, rng, tries=8):
-    """The closest miss of `tries` random legal paths (None if all hit, or one number): the dead end
-    that makes a trace's check exact, since a miss far off can be told by magnitude alone."""
-    paths = (random_path(numbers, rng)[1] for _ in range(tries))
-    misses = [p for p in paths if p and p[-1][3] != target]
-    return min(misses, key=lambda p: abs(p[-1][3] - target)) if misses else None
+    """closest_miss's steps: the dead end that makes a trace's check exact, since a miss far off can
+    be told by magnitude alone."""
+    miss = closest_miss(numbers, target, rng, tries)
+    return miss and miss[1]
 
 
 def random_tries(numbers, target, rng, dead_ends=0.0, near_misses=0.0):
@@ -134,20 +141,26 @@ def backward_chaining(numbers, target, rng):
 STRATEGIES = ("random", "backward")  # random_tries, backward_chaining
 
 
-def parse_mix(text):
-    """'random:0.7,backward:0.3' -> {'random': 0.7, 'backward': 0.3}; ValueError, one line, else."""
+def parse_mix(text, names=STRATEGIES, rates=False):
+    """'random:0.7,backward:0.3' -> {'random': 0.7, 'backward': 0.3}; ValueError, one line, else.
+    With `rates` (the mistakes' 'slip:0.3,giveup:0.2'): probabilities summing to at most 1, and
+    'none' is {}."""
+    if rates and text.strip() in ("none", "0", ""):
+        return {}
     mix = {}
     for part in text.split(","):
         name, _, weight = part.partition(":")
         try:
             mix[name.strip()] = float(weight) if weight else 1.0
         except ValueError:
-            raise ValueError(f"strategy weight {weight!r} is not a number in {text!r}") from None
-        if name.strip() not in STRATEGIES or mix[name.strip()] < 0:
-            raise ValueError(f"unknown strategy or negative weight {part!r} in {text!r}: "
-                             f"choose among {', '.join(STRATEGIES)}")
-    if sum(mix.values()) <= 0:
-        raise ValueError(f"strategy weights {text!r} sum to 0")
+            raise ValueError(f"weight {weight!r} is not a number in {text!r}") from None
+        if name.strip() not in names or mix[name.strip()] < 0:
+            raise ValueError(f"unknown name or negative weight {part!r} in {text!r}: "
+                             f"choose among {', '.join(names)}")
+    if not rates and sum(mix.values()) <= 0:
+        raise ValueError(f"weights {text!r} sum to 0")
+    if rates and sum(mix.values()) > 1 + 1e-9:
+        raise ValueError(f"rates {text!r} sum to {sum(mix.values()):g}, more than 1")
     return mix
 
 
@@ -184,11 +197,90 @@ def strategy_metrics(prefix, stats):
     return out
 
 
-def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0, mix=None):
+# ---- mistakes: what an LLM's traces get wrong -----------------------------------------------------
+# The real SFT set (Gandhi et al., 2025, "Cognitive Behaviors that Enable Self-Improving Reasoners":
+# Countdown traces written by Claude 3.5 Sonnet) is ~37 % correct: its mean score under the 1.0 / 0.1
+# scorer is 0.43, so every wrong trace still answers. The embedded analog: a solver trace whose last
+# line (the one that finds) is replaced by one of these mistakes, each readable back from the text
+# (mistake_of). The split among kinds is our guess at an LLM's; the total is the real set's.
+MISTAKES = ("slip", "reuse", "giveup", "malformed")
+LLM_MISTAKES = "slip:0.25,reuse:0.15,giveup:0.15,malformed:0.08"  # 63 % wrong: 37 % correct
+
+
+def _slip(numbers, target, rng):
+    """An arithmetic slip that 'hits': a near miss whose last step is written with the target's value
+    and claimed found ('5 * 13 = 60. Target 60, found.'); it answers the miss."""
+    miss = closest_miss(numbers, target, rng)
+    if miss:
+        expr, steps = miss
+        a, op, b, _, rest = steps[-1]
+        return f"{_steps_text(steps[:-1] + [(a, op, b, target, rest)])} Target {target}, found.", expr
+    return None
+
+
+def _giveup(numbers, target, rng):
+    """Giving up: the closest try, its value written right, 'back', and then answered anyway."""
+    miss = closest_miss(numbers, target, rng)
+    return miss and (f"{_steps_text(miss[1])} Target {target}, back.", miss[0])
+
+
+def _reuse(numbers, target, rng):
+    """A number left out or used twice, in a path that does reach the target."""
+    n = list(numbers)
+    variants = [n[:i] + n[i + 1:] for i in range(len(n))]  # one left out
+    variants += [n[:i] + [n[j]] + n[i + 1:] for i in range(len(n)) for j in range(len(n))
+                 if n[j] != n[i]]  # n[j] twice, n[i] never
+    variants += [n + [x] for x in n]  # one used twice, the others once
+    for v in rng.sample(variants, len(variants)):
+        if solutions := _solutions(tuple(v), target):
+            expr, steps = rng.choice(solutions)
+            return f"{_steps_text(steps)} Target {target}, found.", expr
+    return None
+
+
+def with_mistake(numbers, target, lines, answer, kind, rng):
+    """(lines, answer) with the finding line replaced by mistake `kind`; `malformed` keeps the
+    search and writes the answer as an equation ('(3 + 5) * 7 = 56'), which the scorer rejects. A
+    kind the problem cannot have (every try hits; no variant reaches the target) becomes
+    `malformed`."""
+    made = kind != "malformed" and {"slip": _slip, "giveup": _giveup, "reuse": _reuse}[kind](
+        numbers, target, rng)
+    if not made:
+        return lines, f"{answer} = {target}"
+    line, expr = made
+    return lines[:-1] + [line], expr[1:-1]  # a path's expression is parenthesized whole
+
+
+def mistake_of(response, numbers, target):
+    """The mistake a sample's text shows (the kinds with_mistake writes), None if it is right or has
+    no complete answer: `malformed`, an answer that is no expression; `reuse`, an expression over
+    other numbers than the prompt's; else (the value wrong) `slip` if the search's last verdict is
+    'found', `giveup` if not."""
+    expr = extract_answer(response)
+    if expr is None:
+        return None
+    value = evaluate_expression(expr, numbers)
+    if value == target:
+        return None
+    if value is None:
+        own = [int(x) for x in re.findall(r"\d+", expr)][:8]
+        return "reuse" if own and evaluate_expression(expr, own) is not None else "malformed"
+    return "slip" if response.split("</think>")[0].rstrip().endswith("found.") else "giveup"
+
+
+def mistake_shares(texts, tasks):
+    """{kind: share of the samples showing it} (tasks: one {nums, target} a text): logged as
+    train/mistake/KIND and eval/mistake/KIND, so a student watches RL remove what SFT imitated."""
+    kinds = [mistake_of(x, t["nums"], t["target"]) for x, t in zip(texts, tasks)]
+    return {k: kinds.count(k) / max(len(kinds), 1) for k in MISTAKES}
+
+
+def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0, mix=None, mistakes=None):
     """A trace, the text after the prompt's '<think>', ending in a verified answer: the strategy
     drawn from `mix` ({name: weight}; None: random tries only, the same rng stream as before there
-    were strategies). dead_ends and near_misses shape the random tries. None if the problem has no
-    solution."""
+    were strategies). dead_ends and near_misses shape the random tries. With `mistakes` ({kind:
+    rate}, rates summing to at most 1) the trace carries one of them with that probability, and
+    its answer is then wrong (the unverified source). None if the problem has no solution."""
     rng = rng or random.Random(0)
     if not _solutions(tuple(numbers), target):
         return None
@@ -199,6 +291,15 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0, mix=No
         name = next(iter(mix))
     out = backward_chaining(numbers, target, rng) if name == "backward" else None
     lines, answer = out or random_tries(numbers, target, rng, dead_ends, near_misses)
+    if mistakes:  # drawn only when asked: the clean traces' rng stream stays as it was
+        u, kind = rng.random(), None
+        for k, rate in mistakes.items():
+            u -= rate
+            if u < 0:
+                kind = k
+                break
+        if kind:
+            lines, answer = with_mistake(numbers, target, lines, answer, kind, rng)
     return " " + "\n".join(lines) + f"\n</think>\n<answer>{answer}</answer>"
 
 

@@ -16,6 +16,7 @@ import grpo
 import models as M
 import rloo
 import sampler as S
+import traces as TR
 
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
@@ -216,7 +217,8 @@ def test_two_steps_in_a_subprocess(script, bf16, tiny_ckpt, tmp_path):
     keys = {"train/loss", "train/reward", "train/accuracy", "train/reward_std", "train/adv_std", "train/zero_adv_groups",
             "train/resp_len", "train/no_answer", "train/cut", "train/entropy", "train/kl", "train/sampler_gap",
             "train/grad_norm", "time/sample", "time/update", "grad/pg", "grad/kl",
-            "train/strategy/random", "train/strategy/backward"}  # shares of the rollouts (traces.py)
+            "train/strategy/random", "train/strategy/backward",  # shares of the rollouts (traces.py)
+            *(f"train/mistake/{k}" for k in TR.MISTAKES)}  # and of each mistake kind
     keys |= {"train/ratio", "train/ratio_max"} if script == "grpo.py" else \
         {"train/is_weight", "train/is_weight_raw", "train/is_weight_raw_max", "grad/entropy"}
     assert keys <= set(rows[-1]) and all(math.isfinite(v) for v in rows[-1].values())

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+import data as D
 import evaluate as E
 import traces as TR
 import verifier as V
@@ -100,3 +101,70 @@ def test_parse_mix(text, bad):
     else:
         with pytest.raises(ValueError, match=bad):
             TR.parse_mix(text)
+
+
+# ---- the unverified source: LLM-like mistakes, read back from the text -------------------------
+@pytest.mark.parametrize("kind", TR.MISTAKES)
+def test_each_mistake_is_written_wrong_and_read_back_as_its_kind(problems, kind):
+    rng = random.Random(0)
+    traces = [TR.make_trace(p["nums"], p["target"], rng, 1.0, 0.5, {"random": 0.7, "backward": 0.3},
+                            {kind: 1.0}) for p in problems]
+    # every one answers, and wrongly: the real set's wrong traces score 0.1, never 0
+    assert all(V.score(t, p["nums"], p["target"]) == 0.1 for t, p in zip(traces, problems))
+    kinds = [TR.mistake_of(t, p["nums"], p["target"]) for t, p in zip(traces, problems)]
+    # a kind a problem cannot have (no try misses, no variant reaches the target) is `malformed`
+    assert set(kinds) <= {kind, "malformed"} and kinds.count(kind) > 0.85 * len(kinds)
+    a = E.arithmetic(traces, [p["target"] for p in problems])
+    if kind == "slip":  # a step written wrong, its value the target's: a step error, not a claim's
+        assert a["step_error"] > 0.15 and a["false_claims"] == 0
+    else:  # the other kinds compute every written step right
+        assert a["step_error"] == 0
+
+
+def test_the_default_source_is_as_often_right_as_the_real_set_and_the_gate_keeps_only_those():
+    import sft
+    prompts, write = sft.sft_data("gen:nums=3,range=1-20,test=5,val=5", "train", 1500, "compact",
+                                  5, 1.0, 0.5, mix={"random": 0.7, "backward": 0.3},
+                                  mistakes=TR.parse_mix(TR.LLM_MISTAKES, TR.MISTAKES, rates=True))
+    tasks = D.load_tasks("gen:nums=3,range=1-20,test=5,val=5", "train", 1500)  # the prompts' own
+    traces = write(random.Random(0))
+    right = [V.score(t, x["nums"], x["target"]) == 1.0 for t, x in zip(traces, tasks)]
+    assert abs(sum(right) / len(right) - 0.37) < 0.04  # Cognitive Behaviors' set: ~37 % correct
+    shares = TR.mistake_shares(traces, tasks)
+    assert abs(shares["slip"] - 0.25) < 0.04 and 0.1 < shares["reuse"] < 0.17
+    assert abs(sum(shares.values()) + sum(right) / len(right) - 1) < 1e-9  # each wrong one a kind
+    _, gated = sft.sft_data("gen:nums=3,range=1-20,test=5,val=5", "train", 1500, "compact", 5, 1.0,
+                            0.5, mix={"random": 0.7}, mistakes={"slip": 0.6}, verified=True)
+    kept = gated(random.Random(0))
+    assert all(V.score(t, x["nums"], x["target"]) == 1.0 for t, x in zip(kept, tasks) if t)
+    assert abs(sum(t is not None for t in kept) / len(kept) - 0.4) < 0.05
+    # the gate's rejects drop out of the batch, not into it as empty targets
+    import models
+    tok = models.build_tiny_tokenizer()
+    mbs = list(sft.micro_batches(tok, prompts[:64], kept[:64], 64, 512, 1024, "cpu"))
+    assert len(mbs[0][0]) == sum(t is not None for t in kept[:64])
+
+
+@pytest.mark.parametrize("text,out", [("none", {}), ("slip:0.3,giveup:0.2", {"slip": 0.3, "giveup": 0.2}),
+                                      ("slip:0.7,giveup:0.5", "more than 1"), ("typo:0.1", "unknown")])
+def test_parse_mistake_rates(text, out):
+    if isinstance(out, dict):
+        assert TR.parse_mix(text, TR.MISTAKES, rates=True) == out
+    else:
+        with pytest.raises(ValueError, match=out):
+            TR.parse_mix(text, TR.MISTAKES, rates=True)
+
+
+def test_mistake_of_reads_a_models_text():
+    n, t = [3, 5, 7], 22
+    assert TR.mistake_of(" 3 * 5 = 15, left 7 15. 15 + 7 = 22. Target 22, found.\n</think>\n"
+                         "<answer>3 * 5 + 7</answer>", n, t) is None  # right
+    assert TR.mistake_of(" 3 + 5 = 8, left 7 8. 8 * 7 = 22. Target 22, found.\n</think>\n", n, t) is None
+    assert TR.mistake_of(" 3 + 5 = 8, left 7 8. 8 * 7 = 22. Target 22, found.\n</think>\n"
+                         "<answer>(3 + 5) * 7</answer>", n, t) == "slip"
+    assert TR.mistake_of(" 3 + 5 = 8, left 7 8. 8 * 7 = 56. Target 22, back.\n</think>\n"
+                         "<answer>(3 + 5) * 7</answer>", n, t) == "giveup"
+    assert TR.mistake_of("<answer>15 + 7</answer>", n, t) == "reuse"  # 3 and 5 left out
+    assert TR.mistake_of("<answer>3 * 5 + 7 + 7</answer>", n, t) == "reuse"  # 7 twice
+    assert TR.mistake_of("<answer>3 * 5 + 7 = 22</answer>", n, t) == "malformed"
+    assert TR.mistake_of("<answer>3 * (5 + 7</answer>", n, t) == "malformed"
