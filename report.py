@@ -11,11 +11,18 @@ from math import nan
 
 from common import CountdownError, arg, cli, parse_args
 from data import read_jsonl
-from traces import STRATEGIES
+from traces import MISTAKES, STRATEGIES
 
 # the pipeline's stages in run_cpu.sh's order; any other eval dir is listed after them
-STAGES = ["sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse", "opd_longer",
-          "rlt_student", "rlt0_student", "solver_student"]
+STAGES = ["sft_verified", "sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse",
+          "opd_longer", "rlt_student", "rlt0_student", "solver_student"]
+# pass_at_k.png: one panel a comparison, so that no line hides another (stages not named: "other")
+COMPARISONS = {"preference and RL from SFT": ["sft_verified", "sft", "ipo", "rloo", "grpo"],
+               "distillation and anti-collapse": ["sft", "teacher", "rloo", "opd",
+                                                  "opd_anticollapse", "opd_longer"],
+               "students of explanations and traces": ["rlt_student", "rlt0_student",
+                                                       "solver_student"]}
+RL_STAGES = ["rloo", "grpo", "opd", "opd_anticollapse", "opd_longer"]
 
 
 @dataclass
@@ -42,6 +49,8 @@ def format_table(summary):
              "arithmetic: {step_error:.1%} of {steps} steps wrong; {false_claims:.1%} of {claims} "
              "`found` verdicts after a value that is not the target"
              .format(**summary["arithmetic"]),
+             "mistakes (traces.mistake_of): " + " | ".join(
+                 f"{k} {v:.1%}" for k, v in summary.get("mistakes", {}).items()),
              "strategies: " + " | ".join(
                  f"{name} {s['share']:.1%} of samples, pass@1 "
                  + ("-" if s["pass@1"] is None else f"{s['pass@1']:.3f}")
@@ -66,24 +75,32 @@ def format_verification(v, title):
     return "\n".join(lines)
 
 
-def plot(run_dirs, out_png):
-    """pass@k-vs-k curves of several eval dirs on one chart (paper 000 Fig. 2)."""
+def plot(run_dirs, out_png, panels=None):
+    """pass@k-vs-k curves of eval dirs (paper 000 Fig. 2): one chart, or with `panels` ({title:
+    [stage names]}, matched to the dirs' names) one chart a comparison."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    by_name = {os.path.basename(os.path.normpath(d)): d for d in run_dirs}
     for d in run_dirs:
-        path = os.path.join(d, "summary.json")
-        if not os.path.isfile(path):
+        if not os.path.isfile(os.path.join(d, "summary.json")):
             raise CountdownError(f"{d} has no summary.json: run evaluate.py --out {d} first")
-        pk = json.load(open(path))["pass_at_k"]
-        ax.plot([int(k) for k in pk], list(pk.values()), marker="o",
-                label=os.path.basename(os.path.normpath(d)))
-    ax.set(xscale="log", xlabel="k (samples)", ylabel="pass@k", ylim=(0, 1),
-           title="pass@k on held-out problems")
-    ax.set_xticks([int(k) for k in pk], labels=list(pk))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    if panels:
+        named = {n for names in panels.values() for n in names}
+        panels = {t: [n for n in names if n in by_name] for t, names in panels.items()}
+        panels["other"] = [n for n in by_name if n not in named]
+        panels = {t: names for t, names in panels.items() if names}
+    else:
+        panels = {"pass@k on held-out problems": list(by_name)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (title, names) in zip(axes[0], panels.items()):
+        for n in names:
+            pk = json.load(open(os.path.join(by_name[n], "summary.json")))["pass_at_k"]
+            ax.plot([int(k) for k in pk], list(pk.values()), marker="o", label=n)
+        ax.set(xscale="log", xlabel="k (samples)", ylabel="pass@k", ylim=(0, 1), title=title)
+        ax.set_xticks([int(k) for k in pk], labels=list(pk))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
 
@@ -109,11 +126,12 @@ def report(out):
     sizes = list(first["by_size"]) if len(first["by_size"]) > 1 else []  # a column each if mixed
     head = (f"{'stage':<18}{'pass@1':>15}" + "".join(f"{'pass@' + k:>9}" for k in ks[1:])
             + "".join(f"{s + ' nums@1':>11}" for s in sizes)
-            + f"{'format':>8}{'step err':>9}{'false':>7}"
+            + f"{'answer':>8}{'step err':>9}{'false':>7}" + "".join(f"{k[:5]:>7}" for k in MISTAKES)
             + "".join(f"{s[:4] + ' %':>8}{s[:4] + '@1':>8}" for s in STRATEGIES) + f"{'wall s':>8}")
     print(f"Table 1 ({first['num_problems']} held-out problems x {first['num_samples']} samples; "
           "step err: share of wrong `a op b = v` steps, false: of `found` verdicts after a try "
-          "whose last value is not the target; per strategy (traces.py): its share of the samples "
+          "whose last value is not the target; slip ... malfo: each mistake kind's share of the "
+          "samples (traces.mistake_of); per strategy (traces.py): its share of the samples "
           f"and their pass@1)\n{head}")
     for n, r in results.items():
         # summaries written before the arithmetic block: nan (evaluate.py --recompute adds it)
@@ -124,6 +142,7 @@ def report(out):
               + "".join(f"{r['by_size'][s]['pass_at_k']['1']:>11.3f}" for s in sizes)
               + f"{r['format_rate']:>8.3f}{a.get('step_error', nan):>9.3f}"
               + f"{a.get('false_claims', nan):>7.3f}"
+              + "".join(f"{r.get('mistakes', {}).get(k, nan):>7.3f}" for k in MISTAKES)
               + "".join(f"{st.get(s, {}).get('share', nan):>8.3f}"
                         f"{_num(st.get(s, {}).get('pass@1')):>8.3f}" for s in STRATEGIES)
               + f"{wall if wall is not None else '-':>8}")
@@ -136,31 +155,52 @@ def report(out):
         row = r.get("verification", {}).get("budgets", {})
         print(f"{n:<18}" + "".join(f"{row[N]['accuracy'] if N in row else nan:>8.3f}"
                                    for N in budgets) + f"{r['best_of_n']['avg_samples']:>8.2f}")
-    plot([os.path.join(evals, n) for n in names], os.path.join(out, "pass_at_k.png"))
+    plot([os.path.join(evals, n) for n in names], os.path.join(out, "pass_at_k.png"), COMPARISONS)
     plot_training(out)
     print(f"\nwrote {out}/results.json, {out}/pass_at_k.png, {out}/rl_curves.png")
 
 
-def plot_training(out):
-    """Per-step training reward and accuracy of the RL stages, the share of their rollouts that work
-    backward (the selection RL makes), and RLT's r_SS, training and held-out (004 Fig. 3)."""
+def moving_mean(xs, w=5):
+    """The mean of each value and the w - 1 before it (fewer at the start)."""
+    return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1])
+            for i in range(len(xs))]
+
+
+def plot_training(out, window=5):
+    """What RL changes, step by step (a batch of 32 prompts is noise to the eye: each curve is a
+    moving mean over `window` steps with the raw values faint, the in-loop val pass@1 as dots):
+    training accuracy, the share of rollouts with a mistake, RLOO's and GRPO's rollouts by mistake
+    kind (what RL removes), the share working backward (what it selects), and RLT's r_SS (004
+    Fig. 3)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    curves = [(n, k, k) for k in ("train/reward", "train/accuracy", "train/strategy/backward")
-              for n in ("rloo", "grpo", "opd", "opd_anticollapse", "opd_longer")]
-    curves += [("rlt", "train/r_ss", "train"), ("rlt", "eval/r_ss", "held-out")]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    for ax, key, title in zip(axes, ["train/reward", "train/accuracy", "train/strategy/", "r_ss"],
-                              ["training reward", "training accuracy", "share of rollouts "
-                               "working backward", "RLT: r_SS of explanations (Eq. 3)"]):
-        for n, k, label in curves:
-            if key in k and os.path.isfile(os.path.join(out, n, "metrics.jsonl")):
-                rows = [r for r in read_jsonl(os.path.join(out, n, "metrics.jsonl"), ["step"])
-                        if k in r]
-                ax.plot([r["step"] for r in rows], [r[k] for r in rows],
-                        label=n if n != "rlt" else label,
-                        marker="o" if k.startswith("eval") else None)
+    logs = {n: read_jsonl(os.path.join(out, n, "metrics.jsonl"), ["step"])
+            for n in RL_STAGES + ["rlt"] if os.path.isfile(os.path.join(out, n, "metrics.jsonl"))}
+    mistakes = {f"train/mistake/{k}": k for k in MISTAKES}
+    panels = [("training accuracy (dots: val pass@1)", {n: {"train/accuracy": n} for n in logs
+                                                       if n != "rlt"}),
+              ("rollouts with a mistake, any kind", {n: {"mistakes": n} for n in logs if n != "rlt"}),
+              ("RLOO's rollouts by mistake kind", {"rloo": mistakes}),
+              ("GRPO's rollouts by mistake kind", {"grpo": mistakes}),
+              ("rollouts working backward", {n: {"train/strategy/backward": n} for n in logs
+                                             if n != "rlt"}),
+              ("RLT: r_SS of explanations (Eq. 3; dots: held-out)", {"rlt": {"train/r_ss": "rlt"}})]
+    dots = {"train/accuracy": "eval/pass@1", "train/r_ss": "eval/r_ss"}  # the held-out points
+    fig, axes = plt.subplots(2, 3, figsize=(17, 7.5))
+    for ax, (title, series) in zip(axes.flat, panels):
+        for n, keys in series.items():
+            rows = [r for r in logs.get(n, []) if "train/accuracy" in r or "train/r_ss" in r]
+            steps = [r["step"] for r in rows]
+            for key, label in keys.items() if rows else ():
+                ys = [sum(r.get(m, 0.0) for m in mistakes) if key == "mistakes" else
+                      r.get(key, nan) for r in rows]
+                line, = ax.plot(steps, moving_mean(ys, window), label=label)
+                ax.plot(steps, ys, color=line.get_color(), alpha=0.2, lw=0.8)
+                if key in dots:
+                    pts = [r for r in logs[n] if dots[key] in r]
+                    ax.plot([r["step"] for r in pts], [r[dots[key]] for r in pts], "o",
+                            color=line.get_color(), ms=5)
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
         if ax.lines:

@@ -116,13 +116,14 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
                             "4": {"num_problems": 1, "pass_at_k": {"1": 0.0, "2": 0.0}}},
                 "format_rate": 1.0, "best_of_n": {"accuracy": p1, "avg_samples": 1.5},
                 "arithmetic": {"steps": 10, "step_error": 0.125, "claims": 4, "false_claims": 0.25},
-                "strategies": {"random": {"share": 0.6, "pass@1": 0.3}, "backward": {"share": 0.4, "pass@1": 0.0}}}
+                "strategies": {"random": {"share": 0.6, "pass@1": 0.3}, "backward": {"share": 0.4, "pass@1": 0.0}},
+                "mistakes": {"slip": 0.5, "reuse": 0.0, "giveup": 0.25, "malformed": 0.125}}
     for i, name in enumerate(["zzz_extra", "rloo", "sft", "rlt_student"]):
         (tmp_path / "eval" / name).mkdir(parents=True)
         (tmp_path / "eval" / name / "summary.json").write_text(json.dumps(summary(0.1 * (i + 1))))
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "wall_seconds").write_text("12\n")
-    for name, keys in (("rloo", ["train/reward", "train/accuracy", "train/strategy/backward"]),
+    for name, keys in (("rloo", ["train/reward", "train/accuracy", "train/strategy/backward", "train/mistake/slip"]),
                        ("rlt", ["train/r_ss", "eval/r_ss"])):
         (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{k: s / 10 for k in keys}}) + "\n"
@@ -137,6 +138,7 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     assert table1.index("sft") < table1.index("rloo") < table1.index("rlt_student") < table1.index("zzz_extra")
     assert "3 nums@1" in table1 and "avg n" in r.stdout and "0.125  0.250" in table1
     assert "rand %" in table1 and "0.600   0.300   0.400   0.000" in table1  # per strategy: share, pass@1
+    assert "slip  reuse  giveu  malfo" in table1 and "0.250  0.500  0.000  0.250  0.125" in table1
     for png in ("pass_at_k.png", "rl_curves.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     r = subprocess.run([sys.executable, "report.py", "--run", str(tmp_path / "nothing")], cwd=ROOT,
@@ -212,3 +214,9 @@ def test_cli_test_time_runs_the_live_selector(tmp_path, tiny_ckpt):
     live = json.load(open(out / "summary.json"))["verification_live"]
     assert list(live["budgets"]) == ["1", "2"] and 1.0 <= live["budgets"]["2"]["avg_samples"] <= 2.0
     assert "test-time verification (live)" in r.stdout
+
+
+def test_moving_mean_by_hand():
+    import report
+    assert report.moving_mean([1, 3, 5, 7], 2) == [1, 2, 4, 6]
+    assert report.moving_mean([0, 0, 9], 5) == [0, 0, 3]  # fewer than w at the start
