@@ -3,7 +3,6 @@ rule that a finished run is never overwritten silently (`--overwrite`), and what
 step does (`--skip_nonfinite`). Every training script calls these the same way; nothing here
 knows an algorithm."""
 import contextlib
-import copy
 import math
 import os
 import random
@@ -15,15 +14,42 @@ import torch
 from common import CountdownError
 
 
+def plain_weights(model, device=None):
+    """(name, tensor) of a model's weights under the plain model's names, one at a time. For a peft
+    (LoRA) model each adapted weight is merged, W + BA, when it is reached (onto `device`), the
+    others are the live tensors: neither a checkpoint nor a weight sync holds a second copy of
+    the model (merge_and_unload on a deep copy did: twice a 7B model's memory)."""
+    if not hasattr(model, "merge_and_unload"):
+        yield from model.state_dict().items()
+        return
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for key, value in base.state_dict().items():
+        name = key.replace(".base_layer.", ".")
+        if "lora_" in key:
+            continue
+        m = adapted.get(name.rsplit(".", 1)[0])
+        if m is not None and name.endswith(".weight"):  # W + BA in W's dtype, as peft's merge
+            delta = sum(m.get_delta_weight(a) for a in m.active_adapters)
+            value = (value + delta).to(device or value.device, value.dtype)
+        yield name, value
+
+
 def save_checkpoint(model, tokenizer, output_dir):
     """Write an HF checkpoint into output_dir without ever leaving a half-written file: save to a
     temp dir inside it, then os.replace each file (config.json last: it is what marks a
-    checkpoint)."""
+    checkpoint). A LoRA model is saved merged (plain_weights), an ordinary HF checkpoint. The
+    config and generation config name the tokenizer's EOS, the one every script appends to its
+    targets: vLLM and transformers then stop where the trainer's sampler does (an -Instruct base
+    lists <|im_end|> and <|endoftext|>)."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=output_dir)
-    if hasattr(model, "merge_and_unload"):  # LoRA (peft): save W + BA, an ordinary HF checkpoint
-        model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(tmp)
+    plain = model.get_base_model() if hasattr(model, "merge_and_unload") else model
+    for cfg in (plain.config, getattr(plain, "generation_config", None)):
+        if cfg is not None:
+            cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    plain.save_pretrained(tmp, state_dict=dict(plain_weights(model, "cpu")))
     tokenizer.save_pretrained(tmp)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -62,6 +88,18 @@ def latest_state(output_dir):
     return os.path.join(root, steps[-1]) if steps else None
 
 
+def frozen_names(model):
+    """The state_dict names of the parameters that never train (a LoRA model's whole base)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trained_state(model):
+    """What a resumable state keeps of the model: every tensor but the frozen parameters, which
+    --init gives back (with LoRA: the adapters, not a copy of the base at every save)."""
+    frozen = frozen_names(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
 def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, **extra):
     """Everything a run needs to go on at step+1 (weights, optimizer, schedule, the global RNGs, the
     script's data-order `rng`, a moving reference, and `extra`: its data order), written to a
@@ -69,7 +107,7 @@ def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, **e
     root = os.path.join(output_dir, "state")
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+    state = {"step": step, "model": trained_state(model), "optimizer": opt.state_dict(),
              "scheduler": sched.state_dict() if sched else None, "python_rng": random.getstate(),
              "torch_rng": torch.get_rng_state(), "rng": rng.getstate() if rng else None,
              "ref": None if ref is None else ref.state_dict(), "extra": extra}
@@ -86,7 +124,10 @@ def load_state(output_dir, model, opt, sched=None, rng=None, ref=None):
     extra)."""
     path = latest_state(output_dir)
     s = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-    model.load_state_dict(s["model"])
+    missing, unexpected = model.load_state_dict(s["model"], strict=False)
+    if unexpected or set(missing) - frozen_names(model):  # only what never trains may be absent
+        raise CountdownError(f"{path} does not fit --init's model (missing {sorted(missing)[:3]}, "
+                             f"unexpected {sorted(unexpected)[:3]}): resume with the run's flags")
     opt.load_state_dict(s["optimizer"])
     if sched is not None:
         sched.load_state_dict(s["scheduler"])

@@ -108,10 +108,16 @@ class RLArgs(TrainArgs):
                                   "1.0; top_p 1, no top_k)")
     backend: str = arg("hf",
                        "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
+    term_grads: bool = arg(False, "on the first step and every evaluating one, also back-propagate "
+                                  "each loss term alone (grad/<term>: each knob's pull, "
+                                  "docs/loss_terms.md). Costs a backward a term and the graph kept "
+                                  "for them: a walkthrough RLOO step peaked at 60 GB on an H100 "
+                                  "with it, 36 without (docs/gpu.md)")
 
     def run_options(self, output_dir):
         """RL runs set a constant lr each step, after an optional linear warm-up (no scheduler)."""
-        return {**super().run_options(output_dir), "lr": self.lr, "warmup_steps": self.warmup_steps}
+        return {**super().run_options(output_dir), "lr": self.lr, "warmup_steps": self.warmup_steps,
+                "term_grads": self.term_grads}
 
 
 @dataclasses.dataclass
@@ -163,9 +169,10 @@ def check_choice(flag, value, choices):
             f"--{flag} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
 
 
-def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum"):
+def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum", mu="sampler"):
     """One-line errors for the RL flags every script checks the same way."""
     check_choice("reward", reward, ("sparse", "dense"))
+    check_choice("mu", mu, ("sampler", "trainer"))
     check_choice("curriculum", curriculum, ("none", "tiers", "filter"))
     check_choice("pg_norm", pg_norm, ("sum", "mean"))
     if group_size < 2:

@@ -3,6 +3,7 @@ one-line error, and the embedded alternative, when the hub cannot be reached), a
 templates."""
 import json
 import os
+import re
 import socket
 
 import verifier
@@ -27,6 +28,32 @@ TEMPLATES = {
 
 def make_prompt(nums, target, template="base"):
     return TEMPLATES[template].format(nums=list(nums), target=target)
+
+
+QUESTION = re.compile(r"Using the numbers \[([\d, ]*)\], create an equation that equals (\d+)")
+
+
+def match_prompts(queries, template, source, rebuild=False):
+    """A dataset's SFT queries as the prompts the RL and evaluation scripts will build: each must be
+    make_prompt(nums, target, template) of the numbers and target its question names, else one
+    line naming the first that is not (the model would learn one prompt and be tested on another);
+    with `rebuild`, each is rebuilt so, on purpose."""
+    out = []
+    for i, q in enumerate(queries, 1):
+        m = QUESTION.search(q)
+        if not m:
+            raise CountdownError(f"{source}: query {i} names no numbers and target as the "
+                                 "templates do")
+        want = make_prompt([int(x) for x in m[1].split(",") if x.strip()], int(m[2]), template)
+        if q != want and not rebuild:
+            at = next((k for k, (a, b) in enumerate(zip(q, want)) if a != b),
+                      min(len(q), len(want)))
+            raise CountdownError(
+                f"{source}: query {i} differs from the --template {template} prompt of its numbers "
+                f"and target at character {at} ({q[at:at + 40]!r}); pass the --template it was "
+                "written in, or --rebuild_prompts")
+        out.append(want)
+    return out
 
 
 def read_jsonl(path, required=()):

@@ -13,8 +13,10 @@ policy that sampled. D_KL is k3 times ρ (TRL's use_bias_correction_kl), whose g
 KL(π_θ ‖ π_ref) as Eq. 1 writes it; --no-kl_ratio is DeepSeekMath's plain k3, whose gradient is that
 of KL(π_ref ‖ π_θ). Defaults are 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5); 004's
 values are in each --help. Departures from the papers:
-  1. With `--num_iterations 1` (DeepSeekMath's μ = 1) and the HF sampler ρ = 1: clipping only acts
-     from the second pass over a batch on.
+  1. π_old is the trainer's own forward of the batch before its first update (TRL, verl), not the
+     sampler's log-probs: with `--num_iterations 1` (DeepSeekMath's μ = 1) ρ = 1 and clipping only
+     acts from the second pass on. The sampler's are the canary (train/sampler_gap); --tis_cap C
+     weights each token's surrogate by min(π_old/π_sampler, C) for a bf16 engine's mismatch (TIS).
   2. Full fine-tuning unless --lora_rank (002 trains rank 8). 002's exploration knobs are flags:
      --bottom_p and --adaptive_temperature (§5.2); its filter and 001's tiers are --curriculum.
      Bottom-p samples off-policy: π_old in ρ stays softmax(logits / T), as 002 computes it.
@@ -24,7 +26,6 @@ values are in each --help. Departures from the papers:
 Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --output_dir out/grpo
 CPU (embedded): the `grpo` stage of run_cpu.sh, which prints its exact command.
 """
-import copy
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,6 +39,7 @@ from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
 from loop import Run, load_policy, loss_rows, mix_reference, rollout_metrics, step_seed
+from models import frozen_copy
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
@@ -91,6 +93,9 @@ class Args(CurriculumArgs):
     adaptive_temperature: str = arg("", "EASY,HARD: per-problem T by a probe of the init, EASY "
                                         "where it solves half its samples (002 §5.2: 0.6,1.5); "
                                         "empty: --temperature for all")
+    tis_cap: float = arg(0.0, "C of truncated importance sampling: each token's surrogate times "
+                              "min(π_old/π_sampler, C), for a bf16 engine (TRL: 3, verl: 2; 0: "
+                              "off)")
 
 
 def grpo_advantages(reward, scale=True, eps=1e-4):
@@ -112,14 +117,22 @@ def k3_kl(logp, other_logp, sample_logp=None):
     return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
-def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl_ratio=True):
-    """Per-token −l_it (b, T-1). logp, old_logp (π_old = the sampler), ref_logp (None if β = 0): (b,
-    T-1); adv: (b,). Where the clipped term wins the min, the token has no gradient: `clipped`
-    marks it."""
+def tis_weight(old_logp, sampler_logp, cap):
+    """Truncated importance sampling (TRL's and verl's): min(π_old/π_sampler, C) per token (b, T-1),
+    the correction for an engine whose numbers differ from the trainer's (bf16 vLLM: ~1e-2 a
+    token); ones when cap is 0."""
+    return (old_logp - sampler_logp).exp().clamp(max=cap) if cap > 0 else torch.ones_like(old_logp)
+
+
+def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl_ratio=True,
+              tis=1.0):
+    """Per-token −l_it (b, T-1). logp, old_logp (π_old: the trainer's forward before the update),
+    ref_logp (None if β = 0): (b, T-1); adv: (b,); tis: tis_weight's (b, T-1), or 1. Where the
+    clipped term wins the min, the token has no gradient: `clipped` marks it."""
     eps_hi = epsilon_high or epsilon
     ratio = (logp - old_logp).exp()  # (b, T-1) ρ_it
     A = adv[:, None]                                                                   # (b, 1)
-    surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A)
+    surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A) * tis
     kl = torch.zeros_like(logp) if ref_logp is None else \
         k3_kl(logp, ref_logp, old_logp if kl_ratio else None)  # (b, T-1) D_KL, Eq. 1
     clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - epsilon) & (A < 0))
@@ -148,7 +161,7 @@ def main(argv=None):
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
     # π_ref: the frozen init
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None
+    ref = frozen_copy(model) if args.beta > 0 else None
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
@@ -179,10 +192,10 @@ def main(argv=None):
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----
         agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=n_tok,
                       max_len=args.max_response_len)  # (b, T-1), (b, T-1) -> share of L
-        stats, ref_logps = run.stats(B * G, n_tok), {}
+        stats, ref_logps, old_logps = run.stats(B * G, n_tok), {}, {}
         for it in range(args.num_iterations):
             mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-            for i, (rows, ids, attn, mask, old_logp) in enumerate(mbs):
+            for i, (rows, ids, attn, mask, sampler_logp) in enumerate(mbs):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
                     T_mb = T_rows[rows] if T_easy_hard else T_rows  # the rollouts' temperatures
@@ -190,20 +203,24 @@ def main(argv=None):
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
                             ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb)["logp"]
+                # π_old: this forward on the first pass, before any update (departure 1)
+                old_logp = old_logps.setdefault(i, st["logp"].detach())
+                tis = tis_weight(old_logp, sampler_logp, args.tis_cap)  # 1 unless --tis_cap
                 per_token, parts = grpo_loss(st["logp"], old_logp, ref_logps.get(i),
                                              adv[rows].to(device), args.beta, args.epsilon,
-                                             args.epsilon_high, args.kl_ratio)
+                                             args.epsilon_high, args.kl_ratio, tis)
                 if it == 0:  # on diagnose steps: each term's own pull
                     stats.term_grads({k: agg(v, m) for k, v in parts["terms"].items()}, 1)
                 loss = agg(per_token, m)
                 loss.backward()
                 stats.add("loss", loss.item())
                 for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]),
-                             ("ratio", parts["ratio"]), ("clip_frac", parts["clipped"])):
+                             ("ratio", parts["ratio"]), ("clip_frac", parts["clipped"]),
+                             ("tis_weight", tis)):
                     stats.token_mean(k, v, m)
                 stats.max("ratio_max", parts["ratio"] * m)
                 if it == 0:
-                    stats.sampler_gap(st["logp"], old_logp, m)
+                    stats.sampler_gap(st["logp"], sampler_logp, m)
             run.optimizer_step(step, stats.sums["loss"])
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004, if asked
         # ---- log, evaluate, checkpoint ----

@@ -14,7 +14,6 @@ Departures from the paper:
 Real (1×H100):  python ipo.py --init out/sft --output_dir out/ipo
 CPU (embedded): the `ipo` stage of run_cpu.sh, which prints its exact command.
 """
-import copy
 import math
 import random
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from data import load_records, load_tasks, make_prompt
 from evaluate import eval_metrics
 from logprobs import token_stats, tokenize_pairs
 from loop import Run, StepStats, load_policy
+from models import frozen_copy
 from sampler import make_sampler
 from traces import flip_operator, make_trace
 from verifier import dense_score, extract_answer, score
@@ -170,7 +170,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
-    ref = copy.deepcopy(model).eval().requires_grad_(False)  # π_ref: the frozen init
+    ref = frozen_copy(model)  # π_ref: the frozen init (bf16 on a GPU)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
                            args.max_prompt_len + args.max_new_tokens)
     pairs, report = build_pairs(args.pairs, args.data, args.num_prompts, args.template, sampler,

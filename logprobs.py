@@ -35,6 +35,22 @@ def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_respon
     return pack(P, R, tokenizer.pad_token_id)
 
 
+def spans(lengths, max_rows, max_tokens=0):
+    """(start, end) of consecutive micro-batches of rows sorted by length (ascending), each of at
+    most max_rows rows and, with max_tokens, of at most max_tokens padded tokens (its rows times
+    its longest; a longer row goes alone): a micro-batch's activations then follow its tokens, not
+    its rows (64 of the longest SFT rows are 64,000 tokens)."""
+    out, s = [], 0
+    while s < len(lengths):
+        e = s + 1
+        while e < len(lengths) and e - s < max_rows and (
+                not max_tokens or (e - s + 1) * int(lengths[e]) <= max_tokens):
+            e += 1
+        out.append((s, e))
+        s = e
+    return out
+
+
 # ---- log-probs, entropy and KL without the B x T x V wall ----------------------------------------
 def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature):
     """Log-prob of `targets`, entropy, forward KL(teacher || model) and whether the target is the

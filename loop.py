@@ -5,12 +5,13 @@ resumable state, and the log; `StepStats` adds up a step's metrics over its micr
 algorithm."""
 import random
 import time
+import warnings
 
 import torch
 
 from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
 from common import CountdownError, Logger
-from models import load_model
+from models import frozen_dtype, load_model
 from traces import mistake_shares, strategy_metrics, strategy_stats
 
 
@@ -18,17 +19,24 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
                 lora_targets="all-linear", **tiny_overrides):
     """(model, tokenizer, device) to train: fp32 master weights (bf16 compute comes from autocast).
     With lora_rank > 0 only low-rank adapters train (peft; papers 001 and 002): the model is a
-    PeftModel, and save_checkpoint writes it merged, an ordinary checkpoint for the next --init.
-    With `compile`, the decoder's forward (what token_stats runs) is torch.compile'd; the sampler
-    runs the layers one by one and stays eager."""
+    PeftModel, its frozen base in frozen_dtype (bf16 on a GPU: a 7B base is 15 GB, not 30) and its
+    adapters in fp32 (peft keeps them so), and save_checkpoint writes it merged, an ordinary
+    checkpoint for the next --init. With `compile`, the decoder's forward (what token_stats runs)
+    is torch.compile'd; the sampler runs the layers one by one and stays eager."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = load_model(init, device, torch.float32, **tiny_overrides)
+    dtype = frozen_dtype(device) if lora_rank > 0 else torch.float32
+    model, tok = load_model(init, device, dtype, **tiny_overrides)
     # from_pretrained returns eval mode, where transformers never checkpoints: train mode is what
     # makes --gradient_checkpointing act (Qwen2 has no dropout, so nothing else changes). The
     # sampler and evaluation switch to eval mode and back.
     model.train()
     if gradient_checkpointing:  # recompute each layer's activations in backward, not keep them
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed it (5.24: the old name goes in v6); older releases know the old
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if lora_rank > 0:
         try:
             from peft import LoraConfig, get_peft_model
@@ -38,7 +46,9 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
         config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
                             target_modules=targets)
         try:
-            model = get_peft_model(model, config)
+            with warnings.catch_warnings():  # peft 0.21 reads transformers' old name: not ours
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+                model = get_peft_model(model, config)
         except ValueError as e:  # a target name the model does not have
             raise CountdownError(f"--lora_targets {lora_targets}: {e}") from None
     if compile:  # dynamic: every micro-batch has its own length; the first call compiles
@@ -128,6 +138,14 @@ class StepStats:
         return {**out, "train/sampler_gap": self.gap / self.n_tokens}
 
 
+def behavior_logp(mu, logp, sampler_logp):
+    """μ's log-probs of the sampled tokens (b, T-1), for RLOO's and OPD's weight w = π_θ/μ and their
+    KL (000 Eq. 3): `sampler`, the sampler's own (the paper's μ, the policy that sampled; a bf16
+    engine's rounding moves w too), or `trainer`, this forward's, detached (w = 1 before the
+    update: the engine's mismatch left out, as TRL and verl take π_old)."""
+    return logp.detach() if mu == "trainer" else sampler_logp
+
+
 def loss_rows(ro, mask_truncated):
     """Which rollouts the loss keeps (B*G,) and their response tokens: all, or with 002 §3's
     --mask_truncated only those that ended (EOS) within the budget."""
@@ -162,7 +180,7 @@ class Run:
     def __init__(self, output_dir, total_steps, model, tok, opt, evaluate, *, sched=None, ref=None,
                  seed=0, resume=False, grad_clip=1.0, skip_nonfinite=False, eval_every=0,
                  save_every=25, config=None, wandb_project="", eval_first=True, lr=None,
-                 warmup_steps=0):
+                 warmup_steps=0, term_grads=False):
         self.output_dir, self.total, self.model, self.tok = output_dir, total_steps, model, tok
         self.opt, self.evaluate, self.sched, self.ref = opt, evaluate, sched, ref
         # lr: a constant lr after warm-up; None: `sched` sets it
@@ -170,6 +188,7 @@ class Run:
         self.grad_clip, self.skip_nonfinite = grad_clip, skip_nonfinite
         self.eval_every, self.save_every = eval_every, save_every
         self.eval_first = eval_first  # SFT has nothing to measure at step 0
+        self.term_grads = term_grads  # measure each loss term's own gradient on diagnose steps
         self.rng = random.Random(seed)  # the data order's
         self.start, self.extra = 0, {}
         if resume:
@@ -207,9 +226,10 @@ class Run:
         return step == self.total or bool(self.eval_every and step % self.eval_every == 0)
 
     def stats(self, n_rows, n_tokens):
-        """This step's StepStats; on the first step and every evaluating one it also measures each
-        loss term's own gradient (StepStats.term_grads), which costs a backward per term."""
-        due = self.step == self.start + 1 or self.evaluates(self.step)
+        """This step's StepStats; with --term_grads, on the first step and every evaluating one it
+        also measures each loss term's own gradient (StepStats.term_grads), which costs a backward
+        per term and keeps the graph for them."""
+        due = self.term_grads and (self.step == self.start + 1 or self.evaluates(self.step))
         return StepStats(n_rows, n_tokens, self.model if due else None)
 
     def sampled(self):
@@ -242,9 +262,9 @@ class Run:
                         "time/sample": self.t_sample, "time/update": now - self.t0 - self.t_sample,
                         "time/step": now - self.t0})
         self.grad_norms = []
-        if self.evaluates(step):
-            metrics.update(self.evaluate())
+        if self.evaluates(step):  # the checkpoint first: an evaluation that fails loses nothing
             save_checkpoint(self.model, self.tok, self.output_dir)
+            metrics.update(self.evaluate())
         self.log.log(step, metrics)
         if step == self.total or step % self.save_every == 0:
             save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng, self.ref,

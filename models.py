@@ -1,5 +1,6 @@
 """Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (a few M
 parameters) and its byte-level BPE tokenizer trained on the task's own text."""
+import copy
 import functools
 import json
 import os
@@ -96,20 +97,39 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     return model, tokenizer
 
 
+def frozen_dtype(device):
+    """What a model that never trains is held in: bf16 on a GPU, which halves its memory (000: a 7B
+    teacher beside a 0.5B student; a LoRA base; GRPO's reference), fp32 on a CPU. Its forwards run
+    under autocast there, so it computes as the bf16 trainer does."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
 def load_frozen(name, device, tok, policy_name):
-    """A model that never trains (a teacher, a student): bf16 weights on a GPU halve its memory
-    (000: a 7B teacher beside a 0.5B student), fp32 on a CPU; it must share the policy's
+    """A model that never trains (a teacher, a student), in frozen_dtype; it must share the policy's
     tokenizer."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, other_tok = load_model(name, device, dtype)
+    model, other_tok = load_model(name, device, frozen_dtype(device))
     check_same_tokenizer(tok, other_tok, policy_name, name)
     return model.eval().requires_grad_(False)
 
 
+def frozen_copy(model):
+    """A frozen copy of `model` (a reference π_ref) in frozen_dtype."""
+    return copy.deepcopy(model).to(frozen_dtype(model.device)).eval().requires_grad_(False)
+
+
 def check_same_tokenizer(tok, other, name, other_name):
     """Token-level KL between two models needs one vocabulary (Qwen 0.5B and 7B share theirs; only
-    the embedding padding differs, which token_stats cuts off)."""
+    the embedding padding differs, which token_stats cuts off), and one EOS and pad: a teacher that
+    ends on another token (Qwen2.5-7B-Instruct's <|im_end|>, the 0.5B base's <|endoftext|>) would
+    teach the student a stop token its sampler never stops on."""
     if tok.get_vocab() != other.get_vocab():
         raise CountdownError(f"{name} and {other_name} have different tokenizers ({len(tok)} vs "
                              f"{len(other)} tokens): a token-level KL needs one vocabulary; train "
                              "both from the same base (any `tiny` shares one)")
+    for what in ("eos", "pad"):
+        a, b = (getattr(t, f"{what}_token") for t in (tok, other))
+        if a != b:
+            raise CountdownError(
+                f"{name} and {other_name} have different {what.upper()} tokens ({a!r} vs {b!r}): "
+                "the student would learn to end where its sampler does not stop; start the "
+                "teacher from the student's base family (Qwen/Qwen2.5-7B, not -Instruct)")

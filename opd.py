@@ -9,7 +9,7 @@ low mass to any token the teacher finds plausible. λ_KL = λ_RL = 0.5 lets the 
 imperfect teacher. Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_coef 1e-2
 --kd_temperature 1.3. L_PG and H use the rollout distribution softmax(z_S / --temperature), the one
 μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its clip (000 App. B:
-~12.4). Departures from the paper:
+~12.4; --mu trainer takes μ from the trainer's own forward: w = 1). Departures from the paper:
   1. The KL and the entropy are means over each rollout's tokens, L_PG a sum over ~100: λ_KL's KL
      pulled 0.005 as hard as L_PG (grad/<term>; docs/loss_terms.md). --pg_norm mean divides L_PG
      by the token count, so line 9's 0.5 / 0.5 weigh like terms.
@@ -35,7 +35,7 @@ from common import (CountdownError, VerifierRLArgs, arg, autocast, check_rl_args
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
-from loop import Run, load_policy, rollout_metrics, step_seed
+from loop import Run, behavior_logp, load_policy, rollout_metrics, step_seed
 from models import load_frozen
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
@@ -67,6 +67,8 @@ class Args(VerifierRLArgs):
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
     pg_norm: str = arg("sum", "sum: Eq. 3's log π(y|x), a sum over the rollout's tokens (000) | "
                               "mean: divided by its token count, the scale of the KL and entropy")
+    mu: str = arg("sampler", "μ of w: sampler (its log-probs, Eq. 3) | trainer (this forward's, "
+                             "detached: w = 1, a bf16 engine's rounding left out)")
 
 
 def rloo_advantages(reward):
@@ -100,7 +102,7 @@ def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, kl_coef, rl_coef, e
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward, pg_norm=args.pg_norm)
+    check_rl_args(args.group_size, args.reward, pg_norm=args.pg_norm, mu=args.mu)
     if args.kd_temperature <= 0:
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
@@ -128,12 +130,13 @@ def main(argv=None):
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-        for rows, ids, attn, mask, old_logp in mbs:
+        for rows, ids, attn, mask, sampler_logp in mbs:
             # logp, entropy at the rollout T, the KL at kd_temperature
             with autocast(device, model, teacher):
                 st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True,
                                  teacher=teacher, kd_temperature=args.kd_temperature)
             m = mask[:, 1:].float()                                                    # (b, T-1)
+            old_logp = behavior_logp(args.mu, st["logp"], sampler_logp)  # μ: --mu
             loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m,
                                    adv[rows].to(device), args.kl_coef, args.rl_coef,
                                    args.entropy_coef, args.is_clip, args.pg_norm)
@@ -146,7 +149,7 @@ def main(argv=None):
             stats.token_mean("kl", st["kl"], m)
             stats.token_mean("entropy", st["entropy"], m)
             stats.max("is_weight_raw_max", parts["is_weight_raw"])
-            stats.sampler_gap(st["logp"], old_logp, m)
+            stats.sampler_gap(st["logp"], sampler_logp, m)
         # ---- optimizer step, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
         run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv, batch)})

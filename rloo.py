@@ -10,7 +10,8 @@ Departures from the paper:
   1. The paper names no estimator or direction for the KL to the sampler μ. We use k3 (001 §3.1.4)
      times the differentiable ratio π_θ/μ: on μ's tokens its gradient is KL(π_θ‖μ)'s (--no-kl_ratio:
      plain k3). With the HF sampler μ *is* the policy, so w = 1 and the term is ~0; it acts with
-     vLLM's snapshot or a slower sync.
+     vLLM's snapshot or a slower sync. --mu trainer takes μ from the trainer's own forward instead
+     (w = 1, KL 0): a bf16 engine's rounding then moves nothing (README, the vLLM sampler).
   2. The entropy and KL are token means, Eq. 3 a sum over ~100 tokens: λ_H's term pulled 3e-5 as
      hard (grad/<term>; docs/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
   3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 5e-5, 50 steps, and a wrong
@@ -32,7 +33,7 @@ from curriculum import setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
-from loop import Run, load_policy, rollout_metrics, step_seed
+from loop import Run, behavior_logp, load_policy, rollout_metrics, step_seed
 from sampler import make_sampler, micro_batches, rollouts, score_rollouts
 
 
@@ -56,6 +57,8 @@ class Args(CurriculumArgs):
                                "(--no-kl_ratio: plain k3)")
     pg_norm: str = arg("sum", "sum: Eq. 3's log π(y|x), a sum over the rollout's tokens (000) | "
                               "mean: divided by its token count, the scale of the entropy and KL")
+    mu: str = arg("sampler", "μ of w and the KL: sampler (its log-probs, Eq. 3) | trainer (this "
+                             "forward's, detached: w = 1, a bf16 engine's rounding left out)")
 
 
 def rloo_advantages(reward):
@@ -107,7 +110,7 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm)
+    check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm, args.mu)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
@@ -136,10 +139,11 @@ def main(argv=None):
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-        for rows, ids, attn, mask, old_logp in mbs:
+        for rows, ids, attn, mask, sampler_logp in mbs:
             with autocast(device, model):
                 st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
             m = mask[:, 1:].float()                                                    # (b, T-1)
+            old_logp = behavior_logp(args.mu, st["logp"], sampler_logp)  # μ: --mu
             loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device),
                                     args.entropy_coef, args.kl_coef, args.is_clip, args.kl_ratio,
                                     args.pg_norm)
@@ -152,7 +156,7 @@ def main(argv=None):
             stats.token_mean("entropy", st["entropy"], m)
             stats.token_mean("kl", parts["kl"], m)
             stats.max("is_weight_raw_max", parts["is_weight_raw"])
-            stats.sampler_gap(st["logp"], old_logp, m)
+            stats.sampler_gap(st["logp"], sampler_logp, m)
         # ---- optimizer step, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
         metrics = {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv, batch),

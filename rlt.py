@@ -17,8 +17,8 @@ dropping </think> never pays. Departures from the paper:
   2. r_SS scores the expression and `</answer>`; the explanation is retokenized from its text. One
      that never closes </think> (cut at --max_response_len, or ended without it) is scored as all
      of its text.
-  3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass, KL to a synced
-     reference, log-probs of the sampling distribution (logits / T, T = 0.7) on both sides of ρ.
+  3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass (ρ = 1: π_old is
+     the trainer's forward), KL to a synced reference, log-probs of logits / T (T = 0.7) in ρ.
   4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8
      (README, "RLT").
 
@@ -26,7 +26,6 @@ Real (1×H100):
   python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
 CPU (embedded): the `rlt` stage of run_cpu.sh, which prints its exact command.
 """
-import copy
 import itertools
 import json
 import os
@@ -41,7 +40,7 @@ from common import (CountdownError, RLArgs, arg, autocast, check_rl_args, cli, p
 from data import load_tasks, make_prompt
 from logprobs import token_stats
 from loop import Run, load_policy, mix_reference, step_seed
-from models import load_frozen
+from models import frozen_copy, load_frozen
 from sampler import make_sampler, micro_batches
 from verifier import solve
 
@@ -280,7 +279,7 @@ def main(argv=None):
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
     student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if args.beta > 0 else None  # π_ref
+    ref = frozen_copy(model) if args.beta > 0 else None  # π_ref
     # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are
     # skipped, solved lazily: a 490k-row hub dataset of 4-number problems takes minutes up front.
     tasks = load_tasks(args.data, "train", args.export_problems if args.max_steps == 0 else None)
@@ -313,13 +312,14 @@ def main(argv=None):
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-        for rows, ids, attn, mask, old_logp in mbs:
+        for rows, ids, attn, mask, sampler_logp in mbs:
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
                 st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
                 with torch.no_grad():
                     ref_logp = None if ref is None else \
                         token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
+            old_logp = st["logp"].detach()  # π_old: the trainer's forward (grpo.py, departure 1)
             loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device),
                                    args.beta, args.epsilon, args.kl_ratio)
             stats.term_grads(parts["terms"], B * G)  # on diagnose steps: each term's own pull
@@ -328,7 +328,7 @@ def main(argv=None):
             stats.add("loss", loss.item())
             stats.token_mean("entropy", st["entropy"], m)
             stats.token_mean("kl", parts["kl"], m)
-            stats.sampler_gap(st["logp"], old_logp, m)
+            stats.sampler_gap(st["logp"], sampler_logp, m)
         # ---- optimizer step, reference sync, then log, evaluate, checkpoint ----
         run.optimizer_step(step, stats.sums["loss"])
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004: slowly moving

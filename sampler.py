@@ -9,12 +9,13 @@ interface (generate -> Rollouts, sync(model), sleep(), wake()):
 The RL scripts' rollout plumbing is here too: rollouts() samples, score_rollouts() runs the
 verifier, rollout_batch() turns rows into trainer tensors.
 """
-import copy
+import contextlib
 import os
 from dataclasses import dataclass
 
 import torch
 
+from checkpoints import plain_weights
 from common import CountdownError
 from data import make_prompt
 from logprobs import pack, token_stats
@@ -74,13 +75,30 @@ class HFSampler:
     the batch and its KV cache whenever a quarter of it has finished (RL rollouts vary 2-3x in
     length); the batch stops when every row has. 1,024 rows a batch: on 2 CPU cores the tiny
     model's evaluation (3,200 rows) sampled 22,200 tokens/s in batches of 1,024 against 17,000 in
-    256 (a step's fixed cost is shared by more rows), no faster in 2,048 (docs/performance.md)."""
+    256 (a step's fixed cost is shared by more rows), no faster in 2,048 (docs/performance.md).
+    On a GPU it decodes in bf16 (_decode_precision) and a batch holds only the rows whose KV cache
+    fits `kv_budget` bytes (default a quarter of the card): 1,024 rows of 1,300 positions of a 7B
+    model's cache are 68 GB."""
 
-    def __init__(self, model, tokenizer, batch_size=1024):
+    def __init__(self, model, tokenizer, batch_size=1024, kv_budget=None):
         if batch_size < 1:
             raise CountdownError(f"--batch_size (rows decoded together) must be at least 1, not "
                                  f"{batch_size}")
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+        if kv_budget is None and model.device.type == "cuda":
+            kv_budget = torch.cuda.get_device_properties(model.device).total_memory / 4
+        self.kv_budget = kv_budget  # None: batch_size alone (a CPU)
+
+    def rows_per_batch(self, slots):
+        """batch_size, or fewer where their KV cache of `slots` positions a row (keys and values of
+        every layer, 2 bytes a value in bf16) would pass kv_budget, half of which is left for the
+        copy that dropping finished rows makes (_KVCache.keep)."""
+        if not self.kv_budget:
+            return self.batch_size
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * slots * 2
+        return max(1, min(self.batch_size, int(self.kv_budget / 2 // row)))
 
     def sync(self, model):
         self.model = model
@@ -92,19 +110,22 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
-                 seed=0, bottom_p=1.0, bottom_p_freq=1.0):
-        """`bottom_p` < 1: paper 002's bottom-p on each token with probability `bottom_p_freq`."""
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True):
+        """`bottom_p` < 1: paper 002's bottom-p on each token with probability `bottom_p_freq`.
+        `seed_requests` is vLLM's; here one generator, seeded by `seed`, serves the call."""
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
         gen = torch.Generator(device=self.model.device).manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
         out_ids, out_lp, finished = [], [], []
-        for s in range(0, len(rows), self.batch_size):
-            for acc, new in zip((out_ids, out_lp, finished),
-                                self._batch(rows[s:s + self.batch_size], temperature, top_p, top_k,
-                                            max_new_tokens, gen, bottom_p, bottom_p_freq)):
-                acc += new
+        size = self.rows_per_batch(max(map(len, rows), default=0) + max_new_tokens)
+        with _decode_precision(self.model.device):
+            for s in range(0, len(rows), size):
+                for acc, new in zip((out_ids, out_lp, finished),
+                                    self._batch(rows[s:s + size], temperature, top_p, top_k,
+                                                max_new_tokens, gen, bottom_p, bottom_p_freq)):
+                    acc += new
         self.model.train(was_training)
         texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id]
                                        for ids in out_ids])
@@ -144,6 +165,22 @@ class HFSampler:
                 [x[:k] for x, k in zip(lps.tolist(), lengths)], finished.tolist())
 
 
+def _decode_precision(dev):
+    """What the decode runs under: bf16 autocast on a GPU (half the KV cache, and the bf16 trainer's
+    precision; rollouts run outside the trainer's autocast), fp32 on a CPU, where sampling is
+    fastest (common.autocast)."""
+    if dev.type == "cuda":
+        return torch.autocast("cuda", torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _decode_slots(dev, L):
+    """Slots of the KV cache's written-in-place part while decoding L tokens: on a GPU all L, one
+    buffer allocated once (appending copies the whole cache, twice its memory for a moment); on a
+    CPU _KVCache.R, whose appends were faster there (see _KVCache)."""
+    return L if dev.type == "cuda" else _KVCache.R
+
+
 def _prefill(decoder, head, rows, L, eos):
     """The prompts `rows` (token-id lists) left-padded to the longest, P, and run through the
     decoder: (logits (b, V) of their last tokens, their KV cache, the attention bias (b, P + L),
@@ -167,7 +204,7 @@ def _prefill(decoder, head, rows, L, eos):
     if not torch.isfinite(logits).all():
         raise CountdownError("the model's logits are not finite: its weights have blown up (too "
                              "large an --lr?)")
-    kv.spread(which)  # from the u prompts to all b rows
+    kv.spread(which, _decode_slots(dev, L))  # from the u prompts to all b rows
     return logits[which], kv, bias[which], pos[which, -1], rope
 
 
@@ -215,8 +252,8 @@ class _KVCache:
     one contiguous block, and `new`, R slots written in place, the first `n` of them filled; when
     `new` is full it is appended to `old`. Why two parts: on this CPU attention's batched matmuls
     ran 1.4-1.8x faster over a contiguous block than over a slice of one preallocated buffer, and
-    the appends copy the cache once every R tokens. In bf16 under autocast (sampling inside a
-    trainer's autocast on a GPU), where the projections give bf16."""
+    the appends copy the cache once every R tokens. On a GPU `new` holds every decode slot
+    (_decode_slots), in bf16 under autocast (_decode_precision), where the projections give bf16."""
     R = 32  # slots of `new` while decoding (measured: 8 slower, 16 a little slower, 64 the same)
 
     def __init__(self, decoder, b, slots, dev):
@@ -235,10 +272,11 @@ class _KVCache:
         if self.n == self.new.shape[4]:
             self.old, self.n = torch.cat([self.old, self.new], 4), 0
 
-    def spread(self, which):
-        """Rows `which` (b,) of `old`, e.g. each prompt to its n rows, and an empty R-slot `new`."""
+    def spread(self, which, slots):
+        """Rows `which` (b,) of `old`, e.g. each prompt to its n rows, and an empty `new` of `slots`
+        slots (_decode_slots)."""
         self.old = self.old[:, :, which]
-        self.new = self.old.new_empty(*self.old.shape[:4], self.R, self.old.shape[5])
+        self.new = self.old.new_empty(*self.old.shape[:4], slots, self.old.shape[5])
 
     def keep(self, rows):
         """Only these rows (the ones still running)."""
@@ -305,16 +343,20 @@ class VLLMSampler:
       - prompts go in as the trainer's token ids: vLLM's own tokenizer would re-split the tiny
         tokenizer's digits (4 of 4 prompts differed, and the SFT model's accuracy fell from 0.26
         to 0.01);
-      - one seed per prompt, seed + i·n: vLLM gives the k-th of a prompt's n samples seed + i·n
-        + k, so every row has its own stream and a step seed reproduces the batch (one shared seed
-        made two copies of a prompt sample the same completion);
+      - evaluation: one seed per prompt, seed + i·n: vLLM gives the k-th of a prompt's n samples
+        seed + i·n + k, so every row has its own stream and a seed reproduces the batch (one shared
+        seed made two copies of a prompt sample the same completion); RL rollouts
+        (seed_requests=False): none, the engine's generator, seeded once, draws for all (vLLM
+        serves seeded requests one generator at a time);
       - log-probs in vLLM's processed mode: of softmax(logits / T), as HFSampler's and the trainer's
         token_stats(temperature=T); top-k / top-p would filter them too, and RL uses neither;
       - sync() through vLLM's in-place reload, the same call on CPU and GPU.
     Engine options default by device: on CPU fp32, no sleep mode (CPU refuses it, and generating
     on a sleeping engine hangs), 1 GiB of KV cache and 65,536 tokens a scheduler step (a seeded
     prompt split across steps crashes the CPU sampler); on a GPU bf16, sleep mode, 30% of its
-    memory."""
+    memory. Sleep is level 2 (weights and KV cache discarded; level 1 copied the weights to the
+    host and back every step, only for the sync to overwrite them), and the engine wakes in TRL's
+    colocate order, each wake after empty_cache(): weights, the sync, then the KV cache."""
 
     def __init__(self, model_dir, tokenizer, seed=0, max_model_len=2048, dtype=None,
                  sleep_mode=None, gpu_memory_utilization=0.3, max_num_batched_tokens=None):
@@ -327,7 +369,8 @@ class VLLMSampler:
                 f"--backend vllm needs vLLM ({e}): pip install -e '.[vllm]' on a GPU, or the CPU "
                 "lane's venv (README, Tests)") from None
         gpu = torch.cuda.is_available()
-        self.tok, self.asleep = tokenizer, False
+        # asleep: generate() refuses until the KV cache is back; weights_asleep: until wake()
+        self.tok, self.asleep, self.weights_asleep = tokenizer, False, False
         self.sleep_mode = gpu if sleep_mode is None else sleep_mode
         memory = ({"gpu_memory_utilization": gpu_memory_utilization} if gpu
                   else {"kv_cache_memory_bytes": 1 << 30})
@@ -339,38 +382,45 @@ class VLLMSampler:
                        **memory)
 
     def sync(self, model):
-        """The trainer's weights into the engine by vLLM's own layer-by-layer in-place reload. (The
-        older path, model_runner.model.load_weights, fails on CPU, whose backend repacks Linear
-        weights; and reload_weights with no iterator would reload the checkpoint from disk, as
-        TRL's colocate mode does: TRL issue 5312.)"""
-        if hasattr(model, "merge_and_unload"):  # LoRA (peft): the engine holds W + BA
-            model = copy.deepcopy(model).merge_and_unload()
-        self.llm.collective_rpc("reload_weights",
-                                kwargs={"weights_iterator": iter(model.state_dict().items())})
+        """The trainer's weights into the engine by vLLM's own layer-by-layer in-place reload (a
+        LoRA model's merged a layer at a time: plain_weights), then a sleeping engine's KV cache.
+        (The older path, model_runner.model.load_weights, fails on CPU, whose backend repacks
+        Linear weights; and reload_weights with no iterator would reload the checkpoint from disk,
+        as TRL's colocate mode does: TRL issue 5312.)"""
+        self.wake()  # level 2 left no weights to write into
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-
-    def sleep(self):
-        if self.sleep_mode:
-            # weights to CPU, KV cache freed: the optimizer step gets the memory
-            self.llm.sleep(level=1)
-            self.asleep = True
-
-    def wake(self):
-        if self.asleep:
-            self.llm.wake_up()
+        if self.asleep:  # the KV cache last, once the sync's temporaries are freed
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
 
+    def sleep(self):
+        if self.sleep_mode and not self.asleep:
+            # weights and KV cache discarded: the update gets the memory, the sync refills them
+            self.llm.sleep(level=2)
+            self.asleep = self.weights_asleep = True
+
+    def wake(self):
+        """The weights' memory back (their contents are gone: sync() writes them). empty_cache()
+        first, as TRL does before every wake: the caching allocator still holds the update's
+        activations, which vLLM cannot map while torch keeps them."""
+        if self.weights_asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.weights_asleep = False
+
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
-                 seed=0, bottom_p=1.0, bottom_p_freq=1.0):
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True):
         from vllm import SamplingParams
         if bottom_p < 1.0:
             raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
         if self.asleep:
-            raise CountdownError("generate() on a sleeping vLLM engine: call wake() first")
+            raise CountdownError("generate() on a sleeping vLLM engine: wake() and sync() it first")
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                  top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
-                                 seed=seed + i * n, logprobs=0)
+                                 seed=seed + i * n if seed_requests else None, logprobs=0)
                   for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                  use_tqdm=False)
@@ -435,9 +485,9 @@ def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temp
     parts, rows = [], 0  # (task indices, their Rollouts): one generate call per temperature
     for T in sorted(set(temps)):
         idx = [i for i, t in enumerate(temps) if t == T]
-        # seeds past the earlier calls' rows: vLLM seeds row k of prompt i with seed + i·n + k
+        # a seed past the earlier calls' rows (the HF sampler's); vLLM's engine seeds itself
         parts.append((idx, sampler.generate([prompts[i] for i in idx], n, T, 1.0, 0, max_new_tokens,
-                                            seed + rows, **explore)))
+                                            seed + rows, **explore, seed_requests=False)))
         rows += len(idx) * n
     sampler.sleep()  # vLLM hands its GPU memory back for the update
     return parts[0][1] if len(parts) == 1 else _merge(parts, len(tasks), n)

@@ -28,9 +28,9 @@ from transformers import (get_cosine_schedule_with_warmup,
 
 from checkpoints import prepare_run
 from common import CountdownError, TrainArgs, arg, autocast, cli, parse_args, seed_everything
-from data import load_records, load_tasks, make_prompt
+from data import load_records, load_tasks, make_prompt, match_prompts
 from evaluate import eval_metrics
-from logprobs import token_stats, tokenize_pairs
+from logprobs import spans, token_stats, tokenize_pairs
 from loop import Run, StepStats, load_policy
 from rlt import teacher_prompt
 from traces import LLM_MISTAKES, MISTAKES, arith_text, make_trace, parse_mix
@@ -64,6 +64,8 @@ class Args(TrainArgs):
     # SFT specific
     epochs: float = arg(6.0, "passes over the data (000 Table 4)")
     max_steps: int = arg(0, "stop after this many optimizer steps instead (0: use epochs)")
+    micro_batch_tokens: int = arg(16384, "a micro-batch's most padded tokens too: its longest "
+                                         "rows go fewer at a time (0: rows alone)")
     warmup: float = arg(0.05, "warmup fraction of the cosine schedule (000 Table 4)")
     final_lr: float = arg(0.0, "the cosine schedule's last lr (000 Table 4: 0; 004 Table 5, the "
                                "student recipe: 1e-6)")
@@ -84,6 +86,8 @@ class Args(TrainArgs):
                                 "scorer rejects (of the default source, ~37 %% stay)")
     fixed_traces: bool = arg(False, "gen data: one trace per problem for the whole run, not a new "
                                     "one each epoch")
+    rebuild_prompts: bool = arg(False, "a dataset's queries rebuilt in --template from the numbers "
+                                       "and target each names (else one that differs is an error)")
     compile: bool = arg(False, "torch.compile the training forward (dynamic shapes): a first "
                                "compile of ~2 min, ~20 s from inductor's cache; then steps 1.3x "
                                "faster here (docs/performance.md). SFT only: the RL scripts' "
@@ -101,7 +105,7 @@ def sft_loss(logp, mask):
 
 
 def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses=0.0,
-             fixed_traces=False, seed=0, mix=None, mistakes=None, verified=False):
+             fixed_traces=False, seed=0, mix=None, mistakes=None, verified=False, rebuild=False):
     """Prompts and a function rng -> responses: solver traces of generated problems (new ones each
     call: another solution path, other dead ends; each trace's strategy drawn from `mix`), plain
     arithmetic over their numbers (no prompt: the whole text is the target, 4 random paths a
@@ -139,11 +143,13 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
         rows = rows[:len(rows) - k] if split == "train" else rows[len(rows) - k:]
     else:
         rows = load_records(data, "train" if split == "train" else "test", ["query", "completion"])
-    rows = rows[:n or None]
-    return [r["query"] for r in rows], lambda rng: [r["completion"] for r in rows]
+    rows = rows[:n or None]  # queries: the prompts RL and evaluate.py build (data.match_prompts)
+    return match_prompts([r["query"] for r in rows], template, data, rebuild), lambda rng: [
+        r["completion"] for r in rows]
 
 
-def micro_batches(tok, prompts, responses, size, max_prompt_len, max_response_len, device):
+def micro_batches(tok, prompts, responses, size, max_prompt_len, max_response_len, device,
+                  max_tokens=0):
     """Tokenize a step's examples once, sort them by length (the step's loss is a sum, so order is
     free), and yield micro-batches (input_ids, attention_mask, response mask) cut to their own
     longest row. A None response (a trace the verification gate dropped) drops its row."""
@@ -152,9 +158,9 @@ def micro_batches(tok, prompts, responses, size, max_prompt_len, max_response_le
     ids, attn, mask = tokenize_pairs(tok, prompts, responses, max_prompt_len, max_response_len)
     by_len = attn.sum(1).argsort()                                                       # (B,)
     ids, attn, mask = ids[by_len], attn[by_len], mask[by_len]
-    for s in range(0, len(prompts), size):
-        L = int(attn[s:s + size].sum(1).max())
-        yield tuple(x[s:s + size, :L].to(device) for x in (ids, attn, mask))
+    for s, e in spans(attn.sum(1), size, max_tokens):  # up to `size` rows and max_tokens tokens
+        L = int(attn[s:e].sum(1).max())
+        yield tuple(x[s:e, :L].to(device) for x in (ids, attn, mask))
 
 
 def evaluation(model, tok, val_batches, eval_fn):
@@ -187,23 +193,25 @@ def main(argv=None):
     data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,
                    dead_ends=args.dead_ends, near_misses=args.near_misses,
                    fixed_traces=args.fixed_traces, seed=args.seed, mix=mix, mistakes=mistakes,
-                   verified=args.verified)
+                   verified=args.verified, rebuild=args.rebuild_prompts)
     prompts, write_responses = data("train", args.num_train)
     val_prompts, write_val = data("val", args.eval_problems)  # disjoint from train by construction
     batches = partial(micro_batches, tok, size=args.micro_batch, max_prompt_len=args.max_prompt_len,
-                      max_response_len=args.max_response_len, device=device)
+                      max_response_len=args.max_response_len, device=device,
+                      max_tokens=args.micro_batch_tokens)
     val_batches = val_prompts and partial(batches, val_prompts, write_val(random.Random(0)))
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     eval_fn = None if args.data.startswith("arith") else partial(  # a base model writes no answers
         eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens,
         args.template, args.seed)
-    steps_per_epoch = max(1, len(prompts) // args.batch_size)
+    steps_per_epoch = max(1, math.ceil(len(prompts) / args.batch_size))  # a last partial batch too
     total = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
+    warmup = math.ceil(round(args.warmup * total, 6))  # at least one step when asked for
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     # cosine from lr down to final_lr (0: transformers' plain cosine)
     sched = get_cosine_with_min_lr_schedule_with_warmup(
-        opt, int(args.warmup * total), total, min_lr=args.final_lr) if args.final_lr else \
-        get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
+        opt, warmup, total, min_lr=args.final_lr) if args.final_lr else \
+        get_cosine_schedule_with_warmup(opt, warmup, total)
     run = Run(output_dir, total, model, tok, opt,
               partial(evaluation, model, tok, val_batches, eval_fn), sched=sched, eval_first=False,
               **args.run_options(output_dir))

@@ -155,7 +155,8 @@ def parse_mix(text, names=STRATEGIES, rates=False):
         except ValueError:
             raise ValueError(f"weight {weight!r} is not a number in {text!r}") from None
         if name.strip() not in names or mix[name.strip()] < 0:
-            raise ValueError(f"unknown name or negative weight {part!r} in {text!r}: "
+            raise ValueError(f"unknown {'mistake' if rates else 'strategy'} or negative weight "
+                             f"{part!r} in {text!r}: "
                              f"choose among {', '.join(names)}")
     if not rates and sum(mix.values()) <= 0:
         raise ValueError(f"weights {text!r} sum to 0")

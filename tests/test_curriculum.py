@@ -107,7 +107,8 @@ def test_per_task_temperatures_one_call_each_merged_in_task_order():
     assert [(n, T, seed) for n, T, seed, _ in sampler.calls] == [(1, 0.6, 7), (2, 1.5, 9)]  # 7 + 1·2
     sampler.calls = []
     S.rollouts(sampler, None, tok, tasks, 2, "compact", 512, 1.0, 8, 7, bottom_p=0.9, bottom_p_freq=0.5)
-    assert sampler.calls == [(3, 1.0, 7, {"bottom_p": 0.9, "bottom_p_freq": 0.5})]
+    # RL rollouts ask vLLM for no per-request seeds (its engine is seeded once)
+    assert sampler.calls == [(3, 1.0, 7, {"bottom_p": 0.9, "bottom_p_freq": 0.5, "seed_requests": False})]
 
 
 def test_bottom_p_cuts_the_head_keeps_one_token_and_composes_with_top_p():

@@ -85,7 +85,8 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.load(open(out / "summary.json"))
     assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n", "pass_at_1_stderr",
-                      "arithmetic", "verification", "strategies"}
+                      "arithmetic", "verification", "strategies", "mistakes"}
+    assert set(s["mistakes"]) == {"slip", "reuse", "giveup", "malformed"}  # each kind's share (traces.py)
     assert list(s["verification"]["budgets"]) == ["1", "2", "4"]
     assert s["num_problems"] == 6 and s["num_samples"] == 4 and set(s["pass_at_k"]) == {"1", "2", "4"}
     assert set(s["by_size"]) <= {"3", "4"} and set(s["best_of_n"]) == {"accuracy", "avg_samples"}

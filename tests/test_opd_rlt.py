@@ -23,7 +23,7 @@ from verifier import score
 
 # rlt.score_explanations
 RWD = dict(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)
-FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
+FAST = ["--term_grads", "--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
         "--max_response_len", "12", "--max_steps", "2", "--lr", "1e-3"]
 

@@ -174,7 +174,7 @@ def test_clear_one_line_errors(ckpt, tmp_path):
     one_line_error(run("opd.py", "--init", ckpt, "--teacher", str(tmp_path / "other"), *RL, "--output_dir",
                        str(tmp_path / "g")), "different tokenizers")
     one_line_error(run("sft.py", "--init", "tiny", *EVAL, "--strategies", "random:0.5,sideways:0.5", "--output_dir",
-                       str(tmp_path / "j")), "--strategies: unknown strategy or negative weight 'sideways:0.5'")
+                       str(tmp_path / "j")), "--strategies / --mistakes: unknown strategy or negative weight 'sideways:0.5'")
     one_line_error(run("ipo.py", "--init", ckpt, *EVAL, "--batch_size", "6", "--micro_batch", "4", "--output_dir",
                        str(tmp_path / "h")), "not a multiple")
     one_line_error(run("rloo.py", "--init", ckpt, *RL, "--max_prompt_len", "5", "--output_dir", str(tmp_path / "i")),

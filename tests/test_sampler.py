@@ -3,6 +3,7 @@ the model's, its log-probs the trainer's, its draws the loop's it replaced
 (benchmarks/sampler_speed.py keeps that loop as the reference), with and without LoRA."""
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -165,3 +166,71 @@ def test_llama_decodes_too_and_other_models_are_refused():
         model.get_decoder().norm.weight[0] = float("nan")
     with pytest.raises(CountdownError, match="not finite"):
         S.HFSampler(model, tok).generate(PROMPTS, 1, max_new_tokens=2)
+
+
+# ---- on a GPU: bf16, one preallocated cache, rows bounded by the cache's memory -----------------
+def test_a_gpu_decode_preallocates_every_slot_and_samples_the_same(monkeypatch):
+    """On a GPU the cache's written-in-place part holds all L decode slots from the start: no
+    append ever copies the cache (twice its memory for a moment). Forced here on CPU: the same
+    tokens and log-probs as the appending CPU path, and `old` never grows past the prompt."""
+    L = 40  # past _KVCache.R: the CPU path appends once
+    assert S._decode_slots(torch.device("cuda"), L) == L and S._decode_slots(torch.device("cpu"), L) == S._KVCache.R
+    model, tok = tiny(eos_logit=2.0)
+    ref = S.HFSampler(model, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=L, seed=3)
+    sizes, advance = [], S._KVCache.advance
+
+    def spy(self, T):
+        advance(self, T)
+        sizes.append(self.old.shape[4])
+    monkeypatch.setattr(S._KVCache, "advance", spy)
+    monkeypatch.setattr(S, "_decode_slots", lambda dev, L: L)
+    ro = S.HFSampler(model, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=L, seed=3)
+    assert len(sizes) > S._KVCache.R and set(sizes) == {sizes[0]}  # the prompt's P slots, never more
+    assert ro.completion_ids == ref.completion_ids and max(map(len, ro.completion_ids)) > S._KVCache.R
+    for a, b in zip(ro.logprobs, ref.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+
+
+def test_a_gpu_decodes_under_bf16_autocast(monkeypatch):
+    """Rollouts run outside the trainer's autocast: on a GPU the sampler brings its own (a bf16
+    cache, the trainer's precision; fp32 doubled both). On a CPU nothing changes. The bf16 path
+    itself, forced on this CPU: a bf16 cache, log-probs near the fp32 trainer's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA here: torch disables it, and says so
+        ctx = S._decode_precision(torch.device("cuda"))
+    assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16
+    assert not isinstance(S._decode_precision(torch.device("cpu")), torch.autocast)
+    model, tok = tiny(eos_logit=2.0)
+    dtypes, init = [], S._KVCache.__init__
+
+    def spy(self, *args):
+        init(self, *args)
+        dtypes.append(self.new.dtype)
+    monkeypatch.setattr(S._KVCache, "__init__", spy)
+    monkeypatch.setattr(S, "_decode_precision", lambda dev: torch.autocast("cpu", torch.bfloat16))
+    ro = S.HFSampler(model, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=16, seed=0)
+    assert dtypes == [torch.bfloat16]
+    rows = list(range(len(ro.completion_ids)))
+    ids, attn, mask, sampler_lp = S.rollout_batch(ro, rows, tok.pad_token_id)
+    with torch.no_grad():
+        logp = token_stats(model, ids, attn, mask)["logp"]
+    gap = (logp - sampler_lp)[mask[:, 1:].bool()].abs()
+    assert 0 < gap.mean() < 0.05, gap.mean()  # bf16 rounding, not another distribution
+
+
+def test_a_kv_cache_budget_bounds_the_rows_decoded_together(monkeypatch):
+    """On a GPU a batch holds only as many rows as their KV cache fits in kv_budget (1,024 rows of a
+    7B model's 1,300 positions are 68 GB): keys and values of every layer, 2 bytes each, half the
+    budget left for the copy that dropping finished rows makes. Without a budget (a CPU), batch_size."""
+    model, tok = tiny()
+    attn = model.get_decoder().layers[0].self_attn
+    cfg = model.config
+    per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * attn.head_dim * 2  # bytes
+    P, L = max(len(p) for p in tok(PROMPTS, add_special_tokens=False)["input_ids"]), 6
+    sampler = S.HFSampler(model, tok, kv_budget=2 * 4 * per_slot * (P + L))  # 4 rows
+    assert sampler.rows_per_batch(P + L) == 4 and S.HFSampler(model, tok).rows_per_batch(P + L) == 1024
+    assert S.HFSampler(model, tok, batch_size=3, kv_budget=1e12).rows_per_batch(P + L) == 3
+    sizes, batch = [], S.HFSampler._batch
+    monkeypatch.setattr(S.HFSampler, "_batch", lambda self, rows, *a: sizes.append(len(rows)) or batch(self, rows, *a))
+    ro = sampler.generate(PROMPTS, 3, 1.0, max_new_tokens=L, seed=0)
+    assert sizes == [4, 4, 1] and len(ro.completion_ids) == 9

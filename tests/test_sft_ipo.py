@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import GEN, ROOT
 
+import common as C
 import data as D
 import ipo
 import logprobs as LP
@@ -119,7 +120,8 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
     assert model is not None and os.path.isfile(tmp_path / "out" / "model.safetensors")
     # a file's last rows (here 2) are held out
     assert "18 training examples" in capsys.readouterr().out
-    args = sft.parse_args(sft.Args, ["--data", str(data), "--eval_problems", "2", "--num_train", "5"])
+    args = sft.parse_args(sft.Args, ["--data", str(data), "--template", "compact", "--eval_problems", "2",
+                                     "--num_train", "5"])
     prompts, write = sft.sft_data(args.data, "train", args.num_train, args.template, args.eval_problems)   # --num_train keeps a file's first rows
     assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
@@ -161,3 +163,58 @@ def test_generated_traces_are_new_each_epoch_unless_fixed():
     assert len(prompts) == len(a) == 50 and a != b  # another solution path, other dead ends
     _, write = data(fixed_traces=True)
     assert write(random.Random(1)) == write(random.Random(2))    # one dataset for the whole run
+
+
+def test_micro_batches_are_bounded_by_tokens_not_only_rows():
+    """64 of the longest SFT rows (~1,000 tokens each) under autocast ran out of memory: a
+    micro-batch also holds at most --micro_batch_tokens padded tokens, so long rows go fewer at a
+    time, short ones up to --micro_batch. Every row once, in length order."""
+    assert LP.spans([2, 3, 3, 5, 9, 9, 9, 20], 4) == [(0, 4), (4, 8)]
+    assert LP.spans([2, 3, 3, 5, 9, 9, 9, 20], 4, 18) == [(0, 3), (3, 5), (5, 7), (7, 8)]  # 4 x 5 > 18
+    tok = M.build_tiny_tokenizer()
+    rng = random.Random(0)
+    responses = [" 1 + 2 = 3." * rng.randint(1, 30) for _ in range(40)]
+    prompts = [D.make_prompt([1, 2, 3], 6, "compact")] * 40
+    mbs = list(sft.micro_batches(tok, prompts, responses, 16, 512, 1024, "cpu", max_tokens=2000))
+    assert sum(len(ids) for ids, _, _ in mbs) == 40 and len(mbs) > 40 // 16 + 1
+    assert all(ids.numel() <= 2000 or len(ids) == 1 for ids, _, _ in mbs)
+    assert max(len(ids) for ids, _, _ in mbs) == 16  # the short rows still go 16 at a time
+    unbounded = list(sft.micro_batches(tok, prompts, responses, 16, 512, 1024, "cpu"))
+    assert [len(ids) for ids, _, _ in unbounded] == [16, 16, 8]
+
+
+def test_a_partial_last_batch_counts_and_keeps_the_warmup(tmp_path, capsys):
+    """18 rows at batch 4 are 5 steps an epoch, not 4; a warm-up fraction of a few steps is at
+    least one step (int() made 0.05 x 5 none), so step 1 trains at lr 0 and step 2 at the peak."""
+    data = tmp_path / "sft.jsonl"
+    tasks = D.load_tasks(GEN, "train", 20)
+    data.write_text("".join(json.dumps({"query": D.make_prompt(t["nums"], t["target"], "compact"),
+                                        "completion": TR.make_trace(t["nums"], t["target"])}) + "\n" for t in tasks))
+    sft.main(["--init", "tiny", "--data", str(data), "--eval_data", GEN, "--template", "compact", "--batch_size", "4",
+              "--micro_batch", "2", "--epochs", "1", "--eval_problems", "2", "--eval_samples", "1", "--eval_every", "0",
+              "--eval_max_new_tokens", "4", "--lr", "1e-3", "--output_dir", str(tmp_path / "out")])
+    assert "18 training examples, 5 steps/epoch, 5 steps" in capsys.readouterr().out
+    rows = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[0]["train/lr"] == pytest.approx(1e-3)  # logged after the step: step 2's, the peak
+
+
+def test_a_dataset_prompt_that_is_not_the_template_is_one_line(tmp_path):
+    """RL and evaluation build prompts from TEMPLATES; SFT took a dataset's `query` verbatim. A query
+    that differs is one line naming it, or, with --rebuild_prompts, rebuilt from its numbers and
+    target on purpose."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"query": D.make_prompt(n, t, "base"), "completion": " done"}) + "\n"
+                            for n, t in [([1, 2, 3], 6), ([4, 5, 6], 15)]))
+    with pytest.raises(C.CountdownError, match="query 1 differs from the --template compact prompt") as e:
+        sft.sft_data(str(data), "train", 0, "compact", 0)
+    assert "\n" not in str(e.value)
+    assert sft.sft_data(str(data), "train", 0, "base", 0)[0] == [D.make_prompt([1, 2, 3], 6, "base"),
+                                                                  D.make_prompt([4, 5, 6], 15, "base")]
+    prompts, _ = sft.sft_data(str(data), "train", 0, "compact", 0, rebuild=True)
+    assert prompts == [D.make_prompt([1, 2, 3], 6, "compact"), D.make_prompt([4, 5, 6], 15, "compact")]
+    data.write_text(json.dumps({"query": "Solve 1 2 3 to make 6", "completion": " done"}) + "\n")
+    with pytest.raises(C.CountdownError, match="query 1 names no numbers and target"):
+        sft.sft_data(str(data), "train", 0, "compact", 0, rebuild=True)
+    r = run("sft.py", "--init", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "x"))
+    assert r.returncode == 2 and r.stderr.count("error: ") == 1 and "Traceback" not in r.stderr
