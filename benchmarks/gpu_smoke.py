@@ -1,0 +1,477 @@
+"""GPU smoke test: the walkthrough's scripts for a few steps at its real lengths (prompts of ~230
+tokens, 1,024 new ones) on a random Qwen2.5-0.5B-shaped model, no hub, no network: per stage, the
+peak memory of each phase beside benchmarks/memory.py's estimate, and tokens/s.
+
+    bash benchmarks/gpu_smoke.sh            # one GPU: ~4-5 min on an H100 (guessed); no stage
+                                            # starts after --budget_s 300 s, none runs past
+                                            # --deadline_s 420 s
+    bash benchmarks/gpu_smoke.sh --tiny     # the same path on a CPU in ~10 s (the fast suite)
+
+Stages, in order: sft, evaluate, opd (a random Qwen2.5-7B-shaped teacher in bf16, built in this
+process; a 0.5B-shaped one when less than 60 s of the budget is left), grpo, rloo, and sft_lora
+(step 5's LoRA and checkpointing flags on the 0.5B shape). Each runs its script's own main() in
+this process with the README's flags for its step, then these: the random model, generated tasks
+(base template), SFT traces longer than the budget (every row cut at it, as the longest real ones),
+the HF sampler, 128 rollouts a step, 3 steps, and 8 x 4 evaluation samples at step 0 and at the
+end. With --term_grads in a stage's flags, steps 1 and 3 are diagnose steps (each loss term
+back-propagated alone too; the README's commands leave it off); step 2's update
+tokens/s is the plain one. A random model never stops, so every rollout runs to its budget.
+Output, OUT/gpu_smoke.jsonl: a setup line, one line per stage, a summary line. A stage's line: its
+argv, peak_allocated_gb and peak_reserved_gb per phase (setup; sample: the rollouts; update:
+log-probs, loss, backward and AdamW; eval), estimate_gb per phase (memory.py, the same flags, this
+card), per step sample_tokens_per_s (rows x response / time/sample), update_tokens_per_s ((prompt +
+response) x rows / time/update), sampler_gap and resp_len, and eval_tokens_per_s. A stage that
+fails (an OOM too) writes its error and where, and the next one runs. No checkpoints or resumable
+states are written (the CPU suite tests them; a 0.5B state is 6 GB of disk).
+"""
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub: fail, never wait
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+import memory  # noqa: E402
+
+# The random models' shapes: the real ones (benchmarks/*.json), or tiny ones for a CPU whose vocab
+# is padded past the tokenizer's 388 ids as Qwen's is, the teacher's further (151,936 vs 152,064)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+TINY_TEACHER = dict(TINY, hidden_size=96, intermediate_size=192, vocab_size=640)
+STEPS = {"sft": "1", "rloo": "3", "grpo": "4", "opd": "6", "sft_lora": "5", "evaluate": "10"}
+GB = 1e9
+
+
+class Deadline(Exception):
+    """A stage still running at --deadline_s."""
+
+
+# ---- the random models and the data --------------------------------------------------------------
+def qwen_config(path, tok, **overrides):
+    """A Qwen2Config from one of benchmarks/*.json, with the tiny tokenizer's EOS and pad (the
+    scripts append that EOS to targets and stop on it)."""
+    from transformers import Qwen2Config
+    with open(path) as f:
+        cfg = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    cfg.update(overrides, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+               bos_token_id=None)
+    return Qwen2Config(**cfg)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def random_model(cfg, device, dtype):
+    """A Qwen2 with transformers' random init, built on `device` in `dtype` (a 7B in bf16 on a GPU
+    in seconds, never through the CPU or the disk)."""
+    from transformers import Qwen2ForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device), default_dtype(dtype):
+        return Qwen2ForCausalLM(cfg)
+
+
+def write_data(work, tok, n_tasks, n_sft, response_tokens):
+    """tasks.jsonl (nums, target: the RL prompts and the evaluations) and sft.jsonl (query: the
+    base template's prompt of a task; completion: solver traces joined until longer than the
+    response budget, so every SFT row is cut at it, as the longest real rows are)."""
+    import traces
+    from data import load_tasks, make_prompt
+    tasks = load_tasks("gen:nums=3-4,test=1,val=1", "train", max(n_tasks, n_sft))
+    rng = random.Random(0)
+    with open(os.path.join(work, "tasks.jsonl"), "w") as f:
+        f.writelines(json.dumps(t) + "\n" for t in tasks[:n_tasks])
+    with open(os.path.join(work, "sft.jsonl"), "w") as f:
+        for t in tasks[:n_sft]:
+            text = ""
+            while len(tok(text, add_special_tokens=False)["input_ids"]) <= response_tokens:
+                text += traces.make_trace(t["nums"], t["target"], rng, 2.0) + "\n"
+            f.write(json.dumps({"query": make_prompt(t["nums"], t["target"], "base"),
+                                "completion": text}) + "\n")
+    return max(len(tok(make_prompt(t["nums"], t["target"], "base"))["input_ids"]) for t in tasks)
+
+
+# ---- per-phase peak memory: marks at the boundaries loop.Run already has ------------------------
+class Phases:
+    """Peak allocated/reserved CUDA memory between marks, by phase name (the max over steps), and
+    the wall time of each evaluation. Run.sampled() ends `sample`, Run.end_step()'s start ends
+    `update` (log-probs, loss, backward, AdamW), its evaluation is `eval`."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self.alloc, self.reserved, self.eval_s = {}, {}, []
+        self.reset()
+
+    def reset(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.t = time.time()
+
+    def mark(self, phase):
+        if self.cuda:
+            torch.cuda.synchronize()
+            for acc, now in ((self.alloc, torch.cuda.max_memory_allocated()),
+                             (self.reserved, torch.cuda.max_memory_reserved())):
+                acc[phase] = max(acc.get(phase, 0), now / GB)
+        self.reset()
+
+    @contextlib.contextmanager
+    def watching(self):
+        """loop.Run's boundaries marked for the duration; checkpoints and resumable states not
+        written (a stage's output dir gets args.json and metrics.jsonl only)."""
+        import loop
+        saved = {k: getattr(loop, k) for k in ("save_checkpoint", "save_state")}
+        run_cls = loop.Run
+        methods = {k: getattr(run_cls, k) for k in ("__init__", "sampled", "end_step")}
+        phases = self
+
+        def init(run, *a, **kw):
+            methods["__init__"](run, *a, **kw)
+            evaluate = run.evaluate
+
+            def timed_evaluate():
+                phases.mark("pre-eval")
+                t = time.time()
+                out = evaluate()
+                phases.eval_s.append(time.time() - t)
+                phases.mark("eval")
+                return out
+            run.evaluate = timed_evaluate
+            phases.mark("setup")
+
+        def sampled(run):
+            methods["sampled"](run)
+            phases.mark("sample")
+
+        def end_step(run, *a, **kw):
+            phases.mark("update")
+            methods["end_step"](run, *a, **kw)
+            phases.mark("log")
+        try:
+            loop.save_checkpoint = loop.save_state = lambda *a, **kw: None
+            run_cls.__init__, run_cls.sampled, run_cls.end_step = init, sampled, end_step
+            yield self
+        finally:
+            for k, v in methods.items():
+                setattr(run_cls, k, v)
+            for k, v in saved.items():
+                setattr(loop, k, v)
+
+
+# ---- one stage -----------------------------------------------------------------------------------
+def with_flags(command, **flags):
+    """The walkthrough's `command` (python SCRIPT.py ...) with `flags` set: an existing one is
+    replaced, a True value is a bare switch, a None one removed."""
+    words, out, i = shlex.split(command), [], 0
+    while i < len(words):
+        w = words[i]
+        name = w[2:].replace("-", "_") if w.startswith("--") else None
+        if name in flags:
+            i += 2 if i + 1 < len(words) and not words[i + 1].startswith("--") else 1
+            continue
+        out.append(w)
+        i += 1
+    for k, v in flags.items():
+        if v is True:
+            out.append(f"--{k}")
+        elif v is not None:
+            out += [f"--{k}", str(v)]
+    return out
+
+
+def run_stage(words, phases, teacher=None):
+    """main(argv) of the command's script in this process, opd.py handed `teacher` for its
+    load_frozen; the wall time and its output dir's metrics rows."""
+    import models
+    script = words[1][:-3]
+    module = __import__(script)
+    load_frozen, t0 = models.load_frozen, time.time()
+    if teacher is not None:  # under whichever name opd.py calls it
+        module.load_frozen = models.load_frozen = lambda *a, **kw: teacher  # noqa: E731
+    try:
+        with phases.watching():
+            if script == "evaluate":  # its main() reads sys.argv; time its sampling alone
+                argv, sys.argv, evaluate = sys.argv, ["evaluate.py", *words[2:]], module.evaluate
+
+                def timed(*a, **kw):
+                    t = time.time()
+                    out = evaluate(*a, **kw)
+                    phases.eval_s.append(time.time() - t)
+                    return out
+                module.evaluate = timed
+                try:
+                    module.main()
+                finally:
+                    sys.argv, module.evaluate = argv, evaluate
+                phases.mark("eval")
+            else:
+                module.main(words[2:])
+    finally:
+        if teacher is not None:
+            module.load_frozen = models.load_frozen = load_frozen
+    wall = time.time() - t0
+    out = words[words.index("--output_dir") + 1] if "--output_dir" in words else None
+    rows = []
+    if out:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(x) for x in f]
+    return wall, rows
+
+
+def throughput(rows, n_rows, prompt_tokens, response_tokens=None):
+    """Per logged step: sampling tokens/s (rows x mean response / time/sample) and update tokens/s
+    ((prompt + response) x rows / time/update), and the sampler gap."""
+    out = {"sample_tokens_per_s": [], "update_tokens_per_s": [], "sampler_gap": [], "resp_len": []}
+    for r in rows:
+        if r["step"] < 1:  # step 0: the evaluation before training
+            continue
+        resp = r.get("train/resp_len", response_tokens)
+        if r.get("time/sample"):
+            out["sample_tokens_per_s"].append(round(n_rows * resp / r["time/sample"]))
+        if r.get("time/update"):
+            out["update_tokens_per_s"].append(
+                round(n_rows * (prompt_tokens + resp) / r["time/update"]))
+        if "train/sampler_gap" in r:
+            out["sampler_gap"].append(r["train/sampler_gap"])
+        out["resp_len"].append(resp)
+    return {k: v for k, v in out.items() if v}
+
+
+def estimate_gb(words, prompt_tokens, card):
+    """memory.py's phases for the same command on this card (rows never finish: no row-drop
+    copy), in GB; its update phase is the larger of update and step (both inside one mark here)."""
+    e = memory.estimate(shlex.join(words), prompt_tokens=prompt_tokens, finishing=False, card=card)
+    gb = {p: round(sum(t.values()) / GB, 2) for p, t in e.phases.items()}
+    if "step" in gb:
+        gb["update"] = max(gb["update"], gb.pop("step"))
+    return gb
+
+
+def finite(x):
+    return all(finite(v) for v in x.values()) if isinstance(x, dict) else \
+        all(finite(v) for v in x) if isinstance(x, list) else \
+        not isinstance(x, float) or math.isfinite(x)
+
+
+# ---- the stages ----------------------------------------------------------------------------------
+def stage_flags(name, command, work, common, tiny, eval_new):
+    """(flags, note): what a stage sets on its walkthrough command."""
+    flags, note = {**common, "output_dir": os.path.join(work, "runs", name)}, ""
+    if name in ("sft", "sft_lora"):
+        # 64 rows: a few micro-batches of the longest rows (--micro_batch_tokens: 13 each)
+        flags.update(data=os.path.join(work, "sft.jsonl"), batch_size=16 if tiny else 64,
+                     backend=None, **({"micro_batch": 8} if tiny else {}))
+        if name == "sft_lora":
+            flags["max_steps"] = min(flags["max_steps"], 2)
+            note = ("step 5's flags (LoRA r32 on a bf16 base, checkpointing) on the 0.5B shape: "
+                    "a 7B base would be 15 GB written and read")
+    elif name == "evaluate":
+        flags = dict(model=common["init"], data=common["data"], split="val",
+                     num_problems=4 if tiny else 32, num_samples=2 if tiny else 16,
+                     max_new_tokens=eval_new, backend="hf", out=flags["output_dir"],
+                     test_time=None)
+        note = "--test_time left out: its draws are this sampler's again, and never end"
+    else:  # RL: --rows rollouts, in groups of the script's own G
+        G = memory.parse_command(command)[1].group_size
+        flags["batch_size"] = max(1, common["rows"] // G)
+    flags.pop("rows", None)
+    return flags, note
+
+
+def build_teacher(tok, teacher_dir, device, big, tiny):
+    """OPD's teacher, random, in models.frozen_dtype (bf16 on a GPU) as models.load_frozen would
+    hold it, built here and handed to opd.py in its place (a 7B's 15 GB never go through the
+    disk); its config.json alone is written, for memory.py. (teacher, note)"""
+    from models import frozen_dtype
+    shape = "7b" if big else "0.5b"
+    cfg = qwen_config(os.path.join(HERE, f"qwen2.5-{shape}.json"), tok,
+                      **(TINY_TEACHER if tiny else {}))
+    teacher = random_model(cfg, device, frozen_dtype(device)).eval().requires_grad_(False)
+    os.makedirs(teacher_dir, exist_ok=True)
+    cfg.save_pretrained(teacher_dir)
+    kind = "tiny" if tiny else f"Qwen2.5-{shape.upper()}"
+    return teacher, f"teacher: random {kind}-shaped, {frozen_dtype(device)}, built in this process"
+
+
+def measured(name, rows, words, phases, P, L):
+    """A stage's throughputs: per step from its metrics.jsonl, evaluations from their wall time
+    (a random model writes every sample to its budget)."""
+    out = {}
+    if name == "evaluate":
+        a = memory.parse_command(shlex.join(words))[1]
+        n_eval, new = a.num_problems * a.num_samples, a.max_new_tokens
+    else:
+        a = memory.parse_command(shlex.join(words))[1]
+        n_rows = a.batch_size * getattr(a, "group_size", 1)  # SFT: rows; RL: rollouts
+        out.update(throughput(rows, n_rows, P, L))
+        steps = [r["step"] for r in rows if r["step"] >= 1]
+        out["steps"] = len(steps)
+        if getattr(a, "term_grads", False) and steps:  # each loss term's own backward too
+            out["diagnose_steps"] = sorted({steps[0], steps[-1]})
+        n_eval, new = a.eval_problems * a.eval_samples, a.eval_max_new_tokens
+    if phases.eval_s:
+        out["eval_tokens_per_s"] = round(n_eval * new / max(phases.eval_s))
+    return out
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "out/gpu_smoke"),
+                   help="where gpu_smoke.jsonl goes (default: $OUT, else out/gpu_smoke)")
+    p.add_argument("--work", default="", help="models, data and runs (default: a temp dir)")
+    p.add_argument("--tiny", action="store_true", help="tiny models and lengths: a CPU in seconds")
+    p.add_argument("--budget_s", type=float, default=300,
+                   help="no stage starts after this many seconds; OPD takes a 7B-shaped teacher "
+                        "if it starts 60 s before")
+    p.add_argument("--deadline_s", type=float, default=420,
+                   help="a stage still running at this many seconds is stopped as failed, and the "
+                        "summary line written: the whole command ends within ~7.5 min")
+    p.add_argument("--stages", default="sft,evaluate,opd,grpo,rloo,sft_lora",
+                   help="which stages, in this order")
+    p.add_argument("--steps", type=int, default=3, help="steps of each training stage")
+    p.add_argument("--rows", type=int, default=0,
+                   help="rollouts a step (RL): prompts = rows / G (default 128; --tiny 16)")
+    args = p.parse_args(argv)
+    args.rows = args.rows or (16 if args.tiny else 128)
+    if args.tiny:  # fp32 on a CPU: this lane checks the plumbing, the suite's own runs check bf16
+        os.environ.setdefault("COUNTDOWN_CPU_BF16", "0")
+        # one thread: on tensors this small a second one only adds barrier waits (measured: a
+        # step 70x slower with another process busy on the machine's other core)
+        torch.set_num_threads(1)
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = [s for s in stages if s not in STEPS]
+    if unknown or args.steps < 1 or args.rows < 2:
+        print("error: " + (f"--stages: no stage {', '.join(unknown)} (there are "
+                           f"{', '.join(STEPS)})" if unknown else
+                           "--steps must be at least 1 and --rows at least 2"), file=sys.stderr)
+        return 2
+    t_start = time.time()
+
+    def past_deadline(*_):
+        raise Deadline(f"still running at --deadline_s {args.deadline_s:.0f} s")
+    signal.signal(signal.SIGALRM, past_deadline)
+    os.makedirs(args.out, exist_ok=True)
+    out_path = os.path.join(args.out, "gpu_smoke.jsonl")
+    work = args.work or tempfile.mkdtemp(prefix="gpu_smoke-")
+    os.makedirs(work, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    card = torch.cuda.get_device_properties(0).total_memory if cuda else memory.CARD
+    log = open(out_path, "w")
+
+    def emit(row):
+        row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        brief = {k: v for k, v in row.items() if k != "argv"}
+        print(f"[gpu_smoke] {json.dumps(brief)}", flush=True)
+
+    # ---- setup: tokenizer, the random 0.5B-shaped policy, the data ----
+    import transformers
+
+    from checkpoints import save_checkpoint
+    from models import build_tiny_tokenizer
+    tok = build_tiny_tokenizer()
+    L = 16 if args.tiny else 1024  # new tokens: the walkthrough's 1,024
+    eval_new = 8 if args.tiny else 1024
+    policy_dir, teacher_dir = os.path.join(work, "policy"), os.path.join(work, "teacher")
+    cfg = qwen_config(os.path.join(HERE, "qwen2.5-0.5b.json"), tok, **(TINY if args.tiny else {}))
+    t = time.time()
+    # bf16 on a GPU halves what is written; the trainers load fp32 masters from it anyway
+    model = random_model(cfg, device, torch.bfloat16 if cuda else torch.float32)
+    save_checkpoint(model, tok, policy_dir)
+    n_params = sum(x.numel() for x in model.parameters())
+    del model
+    P = write_data(work, tok, 64, 40 if args.tiny else 96, L)
+    gc.collect()
+    if cuda:  # the first stage's reserved memory starts from nothing
+        torch.cuda.empty_cache()
+    emit({"stage": "setup", "ok": True, "device": torch.cuda.get_device_name(0) if cuda else
+          platform.processor() or "cpu", "card_gb": round(card / GB, 1),
+          "torch": torch.__version__, "transformers": transformers.__version__,
+          "policy_params": n_params, "prompt_tokens": P, "max_response_len": L,
+          "tiny": args.tiny, "build_s": time.time() - t, "work": work})
+
+    # ---- each stage: the README's command for its step, at this scale ----
+    walk = {step: cmd for step, _, cmd in memory.WALKTHROUGH}
+    tasks = os.path.join(work, "tasks.jsonl")
+    common = dict(init=policy_dir, data=tasks, eval_data=tasks, max_steps=args.steps,
+                  eval_every=0, eval_problems=8 if not args.tiny else 2,
+                  eval_samples=4 if not args.tiny else 2, eval_max_new_tokens=eval_new,
+                  max_response_len=L, save_every=10**6, backend="hf", rows=args.rows)
+    done, failed, skipped = [], [], []
+    for name in stages:
+        elapsed = time.time() - t_start
+        if elapsed > args.budget_s or failed and failed[-1].startswith("deadline:"):
+            skipped.append(name)
+            emit({"stage": name, "ok": None, "skipped": f"time budget ({elapsed:.0f} s spent)"})
+            continue
+        row = {"stage": name, "walkthrough_step": STEPS[name]}
+        phases, teacher = Phases(), None
+        signal.alarm(max(1, int(args.deadline_s - elapsed)))
+        try:
+            flags, note = stage_flags(name, walk[STEPS[name]], work, common, args.tiny, eval_new)
+            if name == "opd":  # a random 7B-shaped teacher if there is time, else a 0.5B one
+                big = cuda and time.time() - t_start < args.budget_s - 60
+                teacher, note = build_teacher(tok, teacher_dir, device, big, args.tiny)
+                flags["teacher"] = teacher_dir
+            words = with_flags(walk[STEPS[name]], **flags)
+            row.update(argv=words[1:], note=note)
+            try:
+                row["estimate_gb"] = estimate_gb(words, P, card)
+            except Exception as e:  # the measurement matters more than the arithmetic
+                row["estimate_gb"] = f"error: {type(e).__name__}: {e}"
+            phases.reset()
+            wall, rows = run_stage(words, phases, teacher)
+            row.update(ok=True, wall_s=wall, **measured(name, rows, words, phases, P, L))
+            done.append(name)
+        except BaseException as e:  # an OOM or a one-line CountdownError alike: note it, go on
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            where = [x.strip() for x in traceback.format_exc().splitlines()
+                     if x.strip().startswith("File ")][-3:]
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], where=where)
+            failed.append(f"deadline:{name}" if isinstance(e, Deadline) else name)
+        finally:
+            signal.alarm(0)
+        row["peak_allocated_gb"] = {k: round(v, 2) for k, v in phases.alloc.items()} or None
+        row["peak_reserved_gb"] = {k: round(v, 2) for k, v in phases.reserved.items()} or None
+        row["finite"] = finite({k: v for k, v in row.items() if k != "argv"})
+        emit(row)
+        teacher = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    emit({"stage": "summary", "ok": not failed, "wall_s": time.time() - t_start, "done": done,
+          "failed": failed, "skipped": skipped, "out": out_path})
+    log.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
