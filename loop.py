@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
-from common import CountdownError, Logger
+from common import CountdownError, Logger, trains_in_bf16
 from models import frozen_dtype, load_model
 from traces import mistake_shares, strategy_metrics, strategy_stats
 
@@ -37,6 +37,8 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if device == "cpu" and trains_in_bf16(device):  # common.autocast's eager attention for
+            model.set_attn_implementation("eager")  # good: the recompute must run the forward's
     if lora_rank > 0:
         try:
             from peft import LoraConfig, get_peft_model

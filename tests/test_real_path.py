@@ -270,3 +270,16 @@ def test_pip_install_carries_every_module_the_scripts_import(tmp_path):
     r = subprocess.run([sys.executable, "-c", f"import {', '.join(sorted(needed))}"], cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_checkpointed_lora_trains_under_cpu_bf16(tmp_path, monkeypatch):
+    """Step 5's flags (LoRA + gradient checkpointing) on a CPU with native bf16: common.autocast
+    switches attention to eager for the forward, so the recompute in backward must run eager too
+    (it ran SDPA, and torch's checkpoint refused the mismatch: CheckpointError)."""
+    import sft
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
+    sft.main(["--init", "tiny", "--data", GEN, "--eval_data", GEN, "--template", "compact",
+              "--gradient_checkpointing", "--lora_rank", "4", "--batch_size", "4", "--micro_batch", "2",
+              "--max_steps", "1", "--eval_every", "0", "--eval_problems", "2", "--eval_samples", "1",
+              "--eval_max_new_tokens", "4", "--num_train", "8", "--output_dir", str(tmp_path)])
+    assert os.path.isfile(tmp_path / "model.safetensors")
