@@ -38,6 +38,6 @@ def test_gpu_smoke_tiny_writes_a_finite_line_per_stage(tmp_path):
         row = by[name]
         assert all(map(positive, row["sample_tokens_per_s"])), row
         assert all(0 <= g < 1e-3 for g in row["sampler_gap"]), row
-        assert row["diagnose_steps"] == [1, row["steps"]], row
+        assert "diagnose_steps" not in row, row  # the README's commands leave --term_grads off
     assert positive(by["evaluate"]["eval_tokens_per_s"])
     assert by["setup"]["prompt_tokens"] > 200  # the base template, the walkthrough's prompt

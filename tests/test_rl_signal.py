@@ -19,7 +19,7 @@ import rlt
 import sampler as S
 from loop import StepStats
 
-ONE_STEP = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "2",
+ONE_STEP = ["--term_grads", "--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "2",
             "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size", "4", "--group_size", "4",
             "--micro_batch", "8", "--max_response_len", "8", "--max_steps", "1", "--lr", "1e-3",
             "--temperature", "1.0", "--weight_decay", "0"]
