@@ -96,7 +96,8 @@ def plot(run_dirs, out_png, panels=None):
     for ax, (title, names) in zip(axes[0], panels.items()):
         for n in names:
             pk = json.load(open(os.path.join(by_name[n], "summary.json")))["pass_at_k"]
-            ax.plot([int(k) for k in pk], list(pk.values()), marker="o", label=n)
+            ax.plot([int(k) for k in pk], list(pk.values()), marker="o", label=n,  # a stage's
+                    color=f"C{list(by_name).index(n) % 10}")  # colour is the same in every panel
         ax.set(xscale="log", xlabel="k (samples)", ylabel="pass@k", ylim=(0, 1), title=title)
         ax.set_xticks([int(k) for k in pk], labels=list(pk))
         ax.grid(alpha=0.3)
