@@ -77,6 +77,14 @@ def read_jsonl(path, required=()):
     return rows
 
 
+def write_jsonl(path, rows):
+    """`rows` as JSON lines, written to path.tmp and renamed: a killed run never leaves half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+
+
 def load_records(source, split, required):
     """Rows from a local .jsonl file, or a hub dataset's split (the `datasets` import is lazy)."""
     if source.endswith(".jsonl") or os.path.exists(source):

@@ -13,7 +13,6 @@ read; report.py turns a pipeline's evaluations into paper 000's Tables 1-2 and p
 """
 import json
 import os
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 from math import comb
@@ -21,12 +20,12 @@ from math import comb
 import torch
 
 from common import arg, autocast, cli, device_and_dtype, parse_args, seed_everything
-from data import load_tasks, make_prompt, read_jsonl
+from data import load_tasks, make_prompt, read_jsonl, write_jsonl
 from models import load_model
 from report import format_table, format_verification
 from sampler import HFSampler, make_sampler
-from traces import mistake_shares, strategy_metrics, strategy_stats
-from verifier import _OPS, score
+from traces import arithmetic, mistake_shares, strategy_metrics, strategy_stats
+from verifier import score
 
 
 @dataclass
@@ -49,6 +48,8 @@ class Args:
     out: str = arg("", "output dir: summary.json and samples.jsonl")
     recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite "
                              "DIR/summary.json")
+    export: str = arg("", "rejection sampling (paper 004's baseline of a stronger model's own "
+                          "solutions): each problem's first accepted sample to this JSONL, for sft.py")
     test_time: bool = arg(False, "also run paper 000's test-time self-verification for real: draw "
                                  "samples until the verifier accepts one or --num_samples are "
                                  "drawn")
@@ -71,27 +72,6 @@ def expected_samples(n, c, k):
 
 def _ks(n):
     return sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= n} | {n})
-
-
-_STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")  # a step as the traces write it: a op b = v
-# a try's last written value, then its verdict
-_CLAIM = re.compile(r"= (\d+)\. Target \d+, found\.")
-
-
-def arithmetic(completions, targets):
-    """Does a model fail by search, by arithmetic or by checking? The share of written steps `a op b
-    = v` whose v is wrong (by operator too), and of `found` verdicts after a try whose last
-    written value is not the target (a wrong step that happens to give it is the step's error,
-    not the claim's)."""
-    def wrong(a, op, b, v):
-        return op == "/" and b == "0" or _OPS[op](Fraction(int(a)), int(b)) != int(v)
-    steps = [m.groups() for c in completions for m in _STEP.finditer(c)]
-    claims = [int(m.group(1)) != t
-              for c, t in zip(completions, targets) for m in _CLAIM.finditer(c)]
-    rate = lambda xs: sum(wrong(*x) for x in xs) / max(len(xs), 1)  # noqa: E731
-    return {"steps": len(steps), "step_error": rate(steps), "claims": len(claims),
-            "false_claims": sum(claims) / max(len(claims), 1),
-            "step_error_by_op": {op: rate([s for s in steps if s[1] == op]) for op in "+-*/"}}
 
 
 def verification(correct, n, sizes=None):
@@ -205,11 +185,17 @@ def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, s
 
 
 def write_results(out, summary, records):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "samples.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    write_jsonl(os.path.join(out, "samples.jsonl"), records)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
+
+
+def accepted(records, template):
+    """Rejection sampling: per problem its first sample the verifier accepts, as sft.py's
+    query/completion rows; a problem with none is left out."""
+    return [{"query": make_prompt(r["nums"], r["target"], template), "completion": ok[0],
+             "nums": r["nums"], "target": r["target"]} for r in records
+            if (ok := [c for c, s in zip(r["completions"], r["scores"]) if s == 1.0])]
 
 
 def main():
@@ -240,6 +226,9 @@ def main():
                                                    args.seed + 1)
     if args.out:
         write_results(args.out, summary, records)
+    if args.export:
+        write_jsonl(args.export, rows := accepted(records, args.template))
+        print(f"exported {len(rows)} accepted samples of {len(records)} problems to {args.export}")
     print(format_table(summary))
     print(format_verification(summary["verification"], "test-time verification (stored)"))
     if args.test_time:

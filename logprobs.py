@@ -52,23 +52,27 @@ def spans(lengths, max_rows, max_tokens=0):
 
 
 # ---- log-probs, entropy and KL without the B x T x V wall ----------------------------------------
-def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature):
-    """Log-prob of `targets`, entropy, forward KL(teacher || model) and whether the target is the
-    argmax, for one chunk of N positions. Only this chunk's (N, V) logits ever exist; checkpoint()
-    recomputes them in backward."""
+def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature,
+                 kd_reverse=False):
+    """Log-prob of `targets`, entropy, KL to the teacher (forward KL(teacher || model), or with
+    kd_reverse KL(model || teacher)) and whether the target is the argmax, for one chunk of N
+    positions. Only this chunk's (N, V) logits ever exist; checkpoint() recomputes them in
+    backward."""
     logits = F.linear(h, weight).float()                                                 # (N, V)
     logp_all = torch.log_softmax(logits / temperature, -1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)                             # (N,)
     correct = (logits.argmax(-1) == targets).float()
     entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
     kl = torch.zeros_like(logp)
-    # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab
+    # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab; reversed,
+    # GKD's KL(softmax(z_S / T) || softmax(z_T / T)), exact over the vocab at each position
     if t_h is not None:
         with torch.no_grad():
             # (N, V')
             t_logp = torch.log_softmax(F.linear(t_h, t_weight).float() / kd_temperature, -1)
         s_logp = torch.log_softmax(logits[:, : t_logp.shape[-1]] / kd_temperature, -1)
-        kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+        p, q = (s_logp, t_logp) if kd_reverse else (t_logp, s_logp)
+        kl = (p.exp() * (p - q)).sum(-1)                                                  # (N,)
     return logp, entropy, kl, correct
 
 
@@ -83,12 +87,13 @@ def causal_only(attention_mask):
 
 
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
-                teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None):
+                teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None,
+                kd_reverse=False):
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
     `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
-    at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs 152,064: cut to the
-    smaller); the teacher reads `teacher_inputs` = (input_ids, attention_mask) of the same (B, T)
-    shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
+    (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
+    152,064: cut to the smaller); the teacher reads `teacher_inputs` = (input_ids,
+    attention_mask) of the same (B, T) shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
     relative positions), else the same tokens.
     `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
     positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
@@ -116,7 +121,7 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
         c = slice(s, s + chunk_size)
         T = temperature[c] if torch.is_tensor(temperature) else temperature
         args = (h[c], weight, targets[c], T, entropy, None if t_h is None else t_h[c],
-                t_weight, kd_temperature)
+                t_weight, kd_temperature, kd_reverse)
         outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute
                     else _chunk_stats(*args))
     def cat(k):

@@ -5,10 +5,12 @@
     L_PG = −w_i A_i log π_θ(y_i|x),  A_i = R_i − mean_{j≠i} R_j,  w_i = clip(π_θ/μ, max 10)    (3)
  The student samples; the teacher only scores the student's own tokens, so its guidance lands where
 the student actually goes. Forward KL (teacher first) is mode-covering: the student pays for giving
-low mass to any token the teacher finds plausible. λ_KL = λ_RL = 0.5 lets the verifier overrule an
-imperfect teacher. Anti-collapse (000 §3.3, Table 5) is two flags: --entropy_coef 1e-2
---kd_temperature 1.3. L_PG and H use the rollout distribution softmax(z_S / --temperature), the one
-μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its clip (000 App. B:
+low mass to any token the teacher finds plausible; --kd_loss reverse is KL(student ‖ teacher), the
+mode-seeking one of GKD (Agarwal et al., 2024) and Thinking Machines' write-up (Lu et al., 2025).
+λ_KL = λ_RL = 0.5 lets the verifier overrule an imperfect teacher. Anti-collapse (000 §3.3, Table
+5) is two flags: --entropy_coef 1e-2 --kd_temperature 1.3; --positive_weight 0.1 is W-REINFORCE
+in the RL half (rloo.py). L_PG and H use the rollout distribution softmax(z_S / --temperature), the
+one μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its clip (000 App. B:
 ~12.4; --mu trainer takes μ from the trainer's own forward: w = 1). Departures from the paper:
   1. The KL and the entropy are means over each rollout's tokens, L_PG a sum over ~100: λ_KL's KL
      pulled 0.005 as hard as L_PG (grad/<term>; docs/loss_terms.md). --pg_norm mean divides L_PG
@@ -30,8 +32,8 @@ from functools import partial
 import torch
 
 from checkpoints import prepare_run
-from common import (CountdownError, VerifierRLArgs, arg, autocast, check_rl_args, cli, parse_args,
-                    seed_everything)
+from common import (CountdownError, VerifierRLArgs, arg, autocast, check_choice, check_rl_args,
+                    cli, parse_args, seed_everything)
 from data import load_tasks
 from evaluate import eval_metrics
 from logprobs import token_stats
@@ -59,24 +61,30 @@ class Args(VerifierRLArgs):
     # OPD specific
     teacher: str = arg("out/teacher",
                        "frozen teacher checkpoint; must share the student's tokenizer")
-    kl_coef: float = arg(0.5, "λ_KL, weight of the forward KL to the teacher (000 Algorithm 1)")
+    kl_coef: float = arg(0.5, "λ_KL, weight of the KL to the teacher (000 Algorithm 1)")
+    kd_loss: str = arg("forward", "forward: KL(teacher ‖ student), 000 Eq. 4 | reverse: "
+                                  "KL(student ‖ teacher), GKD's on-policy reverse KL")
     rl_coef: float = arg(0.5, "λ_RL, weight of the RLOO policy gradient (000 Algorithm 1; 0: pure "
                               "distillation)")
     entropy_coef: float = arg(1e-3, "λ_H, entropy bonus (000: 1e-3; anti-collapse 1e-2)")
     kd_temperature: float = arg(1.0, "T of the distillation KL (000: 1.0; anti-collapse 1.3)")
     is_clip: float = arg(10.0, "w_max, clip of the sequence importance weight π_θ/μ (000 Table 5)")
+    positive_weight: float = arg(1.0, "λ of W-REINFORCE in the RL half: positive advantages x λ "
+                                      "(rloo.py; Zhu et al.: 0.1)")
     pg_norm: str = arg("sum", "sum: Eq. 3's log π(y|x), a sum over the rollout's tokens (000) | "
                               "mean: divided by its token count, the scale of the KL and entropy")
     mu: str = arg("sampler", "μ of w: sampler (its log-probs, Eq. 3) | trainer (this forward's, "
                              "detached: w = 1, a bf16 engine's rounding left out)")
 
 
-def rloo_advantages(reward):
+def rloo_advantages(reward, positive_weight=1.0):
     """Eq. 3's leave-one-out baseline (Algorithm 1 line 2). reward (B, G) -> A (B, G): each rollout
-    minus the mean of the other G−1 of its prompt; every group sums to zero."""
+    minus the mean of the other G−1 of its prompt; every group sums to zero, unless positive
+    advantages are scaled by positive_weight λ < 1 (W-REINFORCE, as in rloo.py)."""
     G = reward.shape[1]
     baseline = (reward.sum(1, keepdim=True) - reward) / (G - 1)                       # (B, G)
-    return reward - baseline
+    adv = reward - baseline
+    return torch.where(adv > 0, positive_weight * adv, adv)
 
 
 def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, kl_coef, rl_coef, entropy_coef,
@@ -105,6 +113,9 @@ def main(argv=None):
     check_rl_args(args.group_size, args.reward, pg_norm=args.pg_norm, mu=args.mu)
     if args.kd_temperature <= 0:
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
+    check_choice("kd_loss", args.kd_loss, ("forward", "reverse"))
+    if args.positive_weight < 0:
+        raise CountdownError(f"--positive_weight must be >= 0, not {args.positive_weight}")
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
@@ -126,7 +137,7 @@ def main(argv=None):
         run.sampled()
         # ---- score and advantage ----
         scores, reward = score_rollouts(ro, batch, **args.reward_options())  # (B*G,), (B, G)
-        adv = rloo_advantages(reward).flatten()                                        # (B*G,)
+        adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
@@ -134,7 +145,8 @@ def main(argv=None):
             # logp, entropy at the rollout T, the KL at kd_temperature
             with autocast(device, model, teacher):
                 st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True,
-                                 teacher=teacher, kd_temperature=args.kd_temperature)
+                                 teacher=teacher, kd_temperature=args.kd_temperature,
+                                 kd_reverse=args.kd_loss == "reverse")
             m = mask[:, 1:].float()                                                    # (b, T-1)
             old_logp = behavior_logp(args.mu, st["logp"], sampler_logp)  # μ: --mu
             loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m,

@@ -28,7 +28,8 @@ from functools import partial
 import torch
 
 from checkpoints import prepare_run
-from common import CurriculumArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
+from common import (CountdownError, CurriculumArgs, arg, autocast, check_rl_args, cli, parse_args,
+                    seed_everything)
 from curriculum import setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
@@ -57,16 +58,23 @@ class Args(CurriculumArgs):
                                "(--no-kl_ratio: plain k3)")
     pg_norm: str = arg("sum", "sum: Eq. 3's log π(y|x), a sum over the rollout's tokens (000) | "
                               "mean: divided by its token count, the scale of the entropy and KL")
+    positive_weight: float = arg(1.0, "λ of W-REINFORCE: positive advantages x λ (Zhu et al.: 0.1; "
+                                      "1: Eq. 3)")
     mu: str = arg("sampler", "μ of w and the KL: sampler (its log-probs, Eq. 3) | trainer (this "
                              "forward's, detached: w = 1, a bf16 engine's rounding left out)")
 
 
-def rloo_advantages(reward):
+def rloo_advantages(reward, positive_weight=1.0):
     """Eq. 3's leave-one-out baseline. reward (B, G) -> A (B, G): each rollout minus the mean of the
-    other G−1 of its prompt. Equal to G/(G−1) · (R_i − mean_j R_j), so every group sums to zero."""
+    other G−1 of its prompt. Equal to G/(G−1) · (R_i − mean_j R_j), so every group sums to zero.
+    positive_weight λ < 1 is W-REINFORCE (Zhu et al., 2025, "The Surprising Effectiveness of
+    Negative Reinforcement in LLM Reasoning"): positive advantages x λ, so the update mostly pushes
+    mass off wrong rollouts, which the model's prior spreads over other tries, instead of piling it
+    on the right ones; pass@k is kept. The paper weighs rewards ±1 with no baseline; we scale A."""
     G = reward.shape[1]
     baseline = (reward.sum(1, keepdim=True) - reward) / (G - 1)                       # (B, G)
-    return reward - baseline
+    adv = reward - baseline
+    return torch.where(adv > 0, positive_weight * adv, adv)
 
 
 def importance_weights(logp_seq, old_seq, clip):
@@ -111,6 +119,8 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm, args.mu)
+    if args.positive_weight < 0:
+        raise CountdownError(f"--positive_weight must be >= 0, not {args.positive_weight}")
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
@@ -135,7 +145,7 @@ def main(argv=None):
         run.sampled()
         # ---- score and advantage ----
         scores, reward = score_rollouts(ro, batch, **args.reward_options())  # (B*G,), (B, G)
-        adv = rloo_advantages(reward).flatten()                                        # (B*G,)
+        adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
         mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)

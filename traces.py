@@ -11,7 +11,7 @@ import random
 import re
 from fractions import Fraction
 
-from verifier import _moves, _search, evaluate_expression, extract_answer
+from verifier import _OPS, _moves, _search, evaluate_expression, extract_answer
 
 
 def _steps_text(steps):
@@ -274,6 +274,27 @@ def mistake_shares(texts, tasks):
     train/mistake/KIND and eval/mistake/KIND, so a student watches RL remove what SFT imitated."""
     kinds = [mistake_of(x, t["nums"], t["target"]) for x, t in zip(texts, tasks)]
     return {k: kinds.count(k) / max(len(kinds), 1) for k in MISTAKES}
+
+
+_STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")  # a step as the traces write it: a op b = v
+# a try's last written value, then its verdict
+_CLAIM = re.compile(r"= (\d+)\. Target \d+, found\.")
+
+
+def arithmetic(completions, targets):
+    """Does a model fail by search, by arithmetic or by checking? The share of written steps `a op b
+    = v` whose v is wrong (by operator too), and of `found` verdicts after a try whose last
+    written value is not the target (a wrong step that happens to give it is the step's error,
+    not the claim's)."""
+    def wrong(a, op, b, v):
+        return op == "/" and b == "0" or _OPS[op](Fraction(int(a)), int(b)) != int(v)
+    steps = [m.groups() for c in completions for m in _STEP.finditer(c)]
+    claims = [int(m.group(1)) != t
+              for c, t in zip(completions, targets) for m in _CLAIM.finditer(c)]
+    rate = lambda xs: sum(wrong(*x) for x in xs) / max(len(xs), 1)  # noqa: E731
+    return {"steps": len(steps), "step_error": rate(steps), "claims": len(claims),
+            "false_claims": sum(claims) / max(len(claims), 1),
+            "step_error_by_op": {op: rate([s for s in steps if s[1] == op]) for op in "+-*/"}}
 
 
 def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0, mix=None, mistakes=None):

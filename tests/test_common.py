@@ -89,20 +89,27 @@ def test_right_padding_drops_the_mask_and_left_padding_keeps_it(monkeypatch):
     assert masks[0] is None and masks[1] is left
 
 
+@pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
-def test_forward_kl_matches_naive_with_padded_teacher_vocab(temperature):
-    # teacher vocab padded by 24
+def test_forward_and_reverse_kl_match_naive_with_padded_teacher_vocab(temperature, reverse):
+    # teacher vocab padded by 24; forward KL(teacher ‖ student) (000 Eq. 4), reverse KL(student ‖ teacher) (GKD)
     student, teacher = qwen_like(1000, seed=0), qwen_like(1024, seed=1)
+    with torch.no_grad():  # a peaked teacher: near-uniform ones make the two directions equal to 1e-4
+        teacher.get_output_embeddings().weight.mul_(30)
     ids, attn, mask = batch(1000)
-    stats = LP.token_stats(student, ids, attn, mask, teacher=teacher, kd_temperature=temperature, chunk_size=4)
+    stats = LP.token_stats(student, ids, attn, mask, teacher=teacher, kd_temperature=temperature, chunk_size=4,
+                           kd_reverse=reverse)
     zs = student(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     zt = teacher(input_ids=ids, attention_mask=attn).logits[:, :-1, :1000].float()
     ps, pt = torch.log_softmax(zs / temperature, -1), torch.log_softmax(zt / temperature, -1)
-    kl = (pt.exp() * (pt - ps)).sum(-1)
+    p, q = (ps, pt) if reverse else (pt, ps)
+    kl = (p.exp() * (p - q)).sum(-1)
+    other = (q.exp() * (q - p)).sum(-1)  # the other direction: a different number here
     sel = mask[:, 1:].bool()
     assert torch.allclose(stats["kl"][sel], kl[sel], atol=1e-5)
+    assert (stats["kl"][sel] - other[sel]).abs().min() > 1e-3
     assert (stats["kl"][sel] > 0).all()
-    assert LP.token_stats(student, ids, attn, mask, teacher=student)["kl"].abs().max() < 1e-5
+    assert LP.token_stats(student, ids, attn, mask, teacher=student, kd_reverse=reverse)["kl"].abs().max() < 1e-5
 
 
 @pytest.fixture(scope="module")

@@ -221,3 +221,24 @@ def test_moving_mean_by_hand():
     import report
     assert report.moving_mean([1, 3, 5, 7], 2) == [1, 2, 4, 6]
     assert report.moving_mean([0, 0, 9], 5) == [0, 0, 3]  # fewer than w at the start
+
+
+def test_export_keeps_each_problems_first_accepted_sample_as_sft_rows(tmp_path):
+    """evaluate.py --export (rejection sampling, paper 004's baseline): per problem the first sample
+    the verifier accepts, in the prompt the template builds; a problem with none is left out; sft.py
+    trains on the file as it is."""
+    import data as D
+    import sft
+    from verifier import score
+    records = [{"nums": [3, 5, 7], "target": 56, "completions": ["<answer>3 + 5</answer>", "<answer>(3 + 5) * 7</answer>",
+                                                                "<answer>7 * (5 + 3)</answer>"]},
+               {"nums": [2, 4, 9], "target": 17, "completions": ["<answer>2 * 4</answer>"] * 3}]
+    for r in records:
+        r["scores"] = [score(c, r["nums"], r["target"]) for c in r["completions"]]
+    rows = E.accepted(records, "compact")
+    assert [r["completion"] for r in rows] == ["<answer>(3 + 5) * 7</answer>"]
+    assert rows[0]["query"] == D.make_prompt([3, 5, 7], 56, "compact") and rows[0]["target"] == 56
+    path = str(tmp_path / "teacher.jsonl")
+    D.write_jsonl(path, rows * 20)
+    prompts, responses = sft.sft_data(path, "train", 0, "compact", eval_problems=2)
+    assert len(prompts) == 18 and responses(random.Random(0))[0] == rows[0]["completion"]

@@ -67,8 +67,10 @@ def test_opd_loss_by_hand():
     assert abs(loss.item() - (0.15 - 0.2)) < 1e-6
 
 
-def test_opd_kl_step_moves_student_toward_teacher():
-    """One SGD step on the distillation term alone lowers KL(teacher ‖ student) on the same tokens."""
+@pytest.mark.parametrize("reverse", [False, True])
+def test_opd_kl_step_moves_student_toward_teacher(reverse):
+    """One SGD step on the distillation term alone lowers the KL it names (forward KL(teacher ‖
+    student), or --kd_loss reverse's KL(student ‖ teacher)) on the same tokens."""
     student, _ = tiny_model(0)
     teacher, _ = tiny_model(1)
     student.train()
@@ -79,7 +81,8 @@ def test_opd_kl_step_moves_student_toward_teacher():
     opt = torch.optim.SGD(student.parameters(), lr=0.5)
     kls = []
     for _ in range(2):
-        st = LP.token_stats(student, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=1.3)
+        st = LP.token_stats(student, ids, attn, mask, entropy=True, teacher=teacher, kd_temperature=1.3,
+                            kd_reverse=reverse)
         m = mask[:, 1:].float()
         loss, _ = opd.opd_loss(st["logp"], st["logp"].detach(), st["kl"], st["entropy"], m, torch.zeros(2), **vars(args))
         kls.append(loss.mean().item())
@@ -283,6 +286,17 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     assert score(lines[0]["completion"], [3, 4, 5], 35) == 1.0
 
 
+@pytest.mark.parametrize("kd_loss", ["forward", "reverse"])
+def test_opd_kd_loss_flag_picks_the_kl_direction(kd_loss, ckpts, tmp_path, monkeypatch):
+    """--kd_loss reverse reaches token_stats as kd_reverse (its values: test_common's naive check)."""
+    seen = []
+    real = opd.token_stats
+    monkeypatch.setattr(opd, "token_stats", lambda *a, **k: seen.append(k.get("kd_reverse")) or real(*a, **k))
+    opd.main(["--init", ckpts["student"], "--teacher", ckpts["teacher"], *FAST, "--max_steps", "1", "--kd_loss", kd_loss,
+              "--output_dir", str(tmp_path)])
+    assert seen and set(seen) == {kd_loss == "reverse"}
+
+
 def test_rlt_export_only_with_zero_steps(ckpts, tmp_path):
     traces = tmp_path / "t.jsonl"
     r = subprocess.run([sys.executable, "rlt.py", "--init", ckpts["student"], "--student", ckpts["student"], *FAST,
@@ -297,6 +311,9 @@ def test_rlt_export_only_with_zero_steps(ckpts, tmp_path):
     ("rlt.py", ["--student", "OTHER"], "different tokenizers"),
     ("opd.py", ["--teacher", "STUDENT", "--kd_temperature", "0"], "--kd_temperature must be positive"),
     ("opd.py", ["--teacher", "/nonexistent/teacher"], "no such checkpoint dir"),
+    ("opd.py", ["--teacher", "STUDENT", "--kd_loss", "backward"], "--kd_loss must be forward or reverse"),
+    ("opd.py", ["--teacher", "STUDENT", "--positive_weight", "-1"], "--positive_weight must be >= 0"),
+    ("rloo.py", ["--positive_weight", "-0.1"], "--positive_weight must be >= 0"),
 ])
 def test_bad_input_is_a_one_line_error(script, flags, message, ckpts, tmp_path):
     flags = [ckpts["other"] if f == "OTHER" else ckpts["student"] if f == "STUDENT" else f for f in flags]

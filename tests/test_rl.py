@@ -14,6 +14,7 @@ from conftest import GEN, ROOT, gap_bound
 import data as D
 import grpo
 import models as M
+import opd
 import rloo
 import sampler as S
 import traces as TR
@@ -30,6 +31,17 @@ def test_rloo_advantages_leave_one_out_by_hand():
     assert torch.equal(adv[1], torch.zeros(4))  # all equal: no signal (the flatline)
     assert torch.allclose(adv[2], torch.tensor([1 - 1.1 / 3, 0.1 - 2 / 3, -2.1 / 3, 1 - 1.1 / 3]))
     assert torch.allclose(adv.sum(1), torch.zeros(3), atol=1e-6)                 # zero-mean groups
+
+
+@pytest.mark.parametrize("module", ["rloo", "opd"])
+def test_w_reinforce_scales_only_positive_advantages_by_hand(module):
+    """W-REINFORCE (Zhu et al., 2025): positive advantages x λ, negative ones kept; λ = 1 is Eq. 3."""
+    adv_fn = (rloo if module == "rloo" else opd).rloo_advantages
+    reward = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    adv = adv_fn(reward, 0.1)
+    assert torch.allclose(adv[0], torch.tensor([0.1, -1 / 3, -1 / 3, -1 / 3]))
+    assert torch.allclose(adv[1], torch.tensor([0.1 * 2 / 3, 0.1 * 2 / 3, -2 / 3, -2 / 3]))
+    assert torch.equal(adv_fn(reward, 1.0), adv_fn(reward)) and torch.equal(adv_fn(reward, 0.0)[adv > 0], torch.zeros(3))
 
 
 def test_grpo_advantages_group_normalized_by_hand():
