@@ -14,14 +14,14 @@ from data import read_jsonl
 from traces import MISTAKES, STRATEGIES
 
 # the pipeline's stages in run_cpu.sh's order; any other eval dir is listed after them
-STAGES = ["sft_verified", "sft", "teacher", "ipo", "rloo", "grpo", "opd", "opd_anticollapse",
-          "opd_longer", "rlt_student", "rlt0_student", "solver_student"]
+STAGES = ["sft", "teacher", "rloo", "opd", "grpo", "ipo", "opd_anticollapse", "opd_longer",
+          "teacher_student", "rlt_student", "rlt0_student", "solver_student"]
 # pass_at_k.png: one panel a comparison, so that no line hides another (stages not named: "other")
-COMPARISONS = {"preference and RL from SFT": ["sft_verified", "sft", "ipo", "rloo", "grpo"],
+COMPARISONS = {"preference and RL from SFT": ["sft", "teacher", "ipo", "rloo", "grpo"],
                "distillation and anti-collapse": ["sft", "teacher", "rloo", "opd",
                                                   "opd_anticollapse", "opd_longer"],
-               "students of explanations and traces": ["rlt_student", "rlt0_student",
-                                                       "solver_student"]}
+               "students of explanations and traces": ["teacher_student", "rlt_student",
+                                                       "rlt0_student", "solver_student"]}
 RL_STAGES = ["rloo", "grpo", "opd", "opd_anticollapse", "opd_longer"]
 
 

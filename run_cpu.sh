@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # The embedded pipeline on a CPU, stage by stage (papers 000 and 004 in miniature). Every command is
 # printed before it runs, so you can copy it (and swap the flags for the papers' defaults) to a GPU.
-#   ./run_cpu.sh [--force] [--rebuild-base] [OUT_DIR]
+#   ./run_cpu.sh [--force] [--rebuild-base] [--rebuild-teacher] [OUT_DIR]
 #       OUT_DIR defaults to out/cpu; a finished stage (OUT_DIR/NAME/wall_seconds) is skipped and a killed one
 #       resumed from its last state; --force reruns all; --rebuild-base trains the base model here instead of
-#       copying the shipped one (pretrained/tiny-base, this script's own base stage: stage 0 below)
+#       copying the shipped one (pretrained/tiny-base, this script's own base stage: stage 0 below);
+#       --rebuild-teacher likewise OPD's teacher (pretrained/tiny-teacher, stage 1's teacher command)
 #   RLT_CONTROL=1 ./run_cpu.sh          also RLT's control: a student of the untrained teacher (+2.5 min here)
-#   SERIAL=1 ./run_cpu.sh               every stage one after the other (by default independent ones run in pairs)
+#   SERIAL=1 ./run_cpu.sh               every stage one after the other (by default independent ones run side by side)
 # At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
 set -euo pipefail
 cd "$(dirname "$0")"
 FORCE=${FORCE:-}
 RLT_CONTROL=${RLT_CONTROL:-}
 REBUILD_BASE=${REBUILD_BASE:-}
+REBUILD_TEACHER=${REBUILD_TEACHER:-}
 SERIAL=${SERIAL:-}
 while [[ ${1:-} == --* ]]; do
-  case $1 in --force) FORCE=1;; --rebuild-base) REBUILD_BASE=1;; *) echo "unknown flag $1" >&2; exit 2;; esac
+  case $1 in --force) FORCE=1;; --rebuild-base) REBUILD_BASE=1;; --rebuild-teacher) REBUILD_TEACHER=1;;
+    *) echo "unknown flag $1" >&2; exit 2;; esac
   shift
 done
 OUT=${1:-out/cpu}
@@ -50,24 +53,27 @@ stage() {  # stage NAME COMMAND...: run unless finished before; record its wall 
     "$@" "${again[@]}"
     echo $((SECONDS - start)) > "$OUT/$name/wall_seconds"
   fi
+  evaluated "$name"
+}
+
+evaluated() {  # evaluated NAME: paper 000's test evaluation (200 problems x 16 samples) of a policy
+  local name=$1
   case $name in base|rlt_sft|rlt|rlt0) return 0;; esac  # no answers yet / a teacher explains given solutions
   echo "+ python evaluate.py --model $OUT/$name --data $DATA --template compact --num_problems 200 --max_new_tokens 160 --out $OUT/eval/$name"
   python evaluate.py --model "$OUT/$name" --data "$DATA" --template compact --num_problems 200 \
     --max_new_tokens 160 --out "$OUT/eval/$name"
 }
 
-both() {  # both F G: two stages that do not depend on each other side by side, a core each (two RL stages
-  # so gave 1.35x the throughput of one after the other on 2 cores: small matrices leave the second core half
-  # idle; docs/performance.md). Each writes to OUT/F.log; the commands are printed when both are done.
+together() {  # together F G ...: stages that do not depend on each other side by side, one thread each (two RL
+  # stages so gave 1.35x the throughput of one after the other on 2 cores: small matrices leave the second core
+  # half idle; docs/performance.md). Each writes to OUT/F.log; the commands are printed when all are done.
   # SERIAL=1: one after the other, all output here
-  if [[ -n $SERIAL ]]; then "$1"; "$2"; return; fi
-  echo "== side by side: $1 | $2 (output in $OUT/$1.log, $OUT/$2.log)"
-  (export OMP_NUM_THREADS=1; "$1") > "$OUT/$1.log" 2>&1 & local a=$!
-  (export OMP_NUM_THREADS=1; "$2") > "$OUT/$2.log" 2>&1 & local b=$!
-  local failed=""
-  wait $a || failed="$1"
-  wait $b || failed="$failed $2"
-  grep -h '^+ \|^== ' "$OUT/$1.log" "$OUT/$2.log" || true
+  if [[ -n $SERIAL ]]; then local f; for f in "$@"; do "$f"; done; return; fi
+  echo "== side by side: $* (output in $OUT/NAME.log)"
+  local f pids=() failed=""
+  for f in "$@"; do (export OMP_NUM_THREADS=1; "$f") > "$OUT/$f.log" 2>&1 & pids+=($!); done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || failed="$failed ${*:i+1:1}"; done
+  for f in "$@"; do grep -h '^+ \|^== ' "$OUT/$f.log" || true; done
   [[ -z $failed ]] || { echo "error:$failed failed: see its log in $OUT" >&2; exit 1; }
 }
 
@@ -93,57 +99,78 @@ fi
 #    verdict; half the dead ends near misses, without which "found" means "close"), 30% working backward from the
 #    target, one subgoal a line (docs/strategies.md). Then 63% of them get one mistake an LLM makes (sft.py
 #    --mistakes: a slip claimed as a hit, a number reused or left out, a give-up that answers its closest try, an
-#    answer written as an equation), so that RL has something to remove (docs/unverified.md). Beside it, the same
-#    source through paper 001's verification gate (--verified: what the scorer rejects is dropped): the SFT model
-#    of clean traces, and OPD's teacher. SFT_STEPS chosen on val (docs/unverified.md). --compile: steps 1.3x
-#    faster after a first compile of about 2 min (docs/performance.md)
+#    answer written as an equation), so that RL has something to remove (docs/unverified.md). 1,000 steps chosen
+#    on val (docs/unverified.md). --compile: steps 1.3x faster after a first compile of about 2 min
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
 SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 1e-3 --batch_size 64 --max_steps 1000 --eval_every 500 --compile)
 sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
-# the gate keeps ~37 % of a batch: 160 traces a step keep ~59, as many as the unverified SFT trains on (at 64 the
-# gated model saw a third of the examples and reached test pass@1 0.242, below the unverified one)
-sft_verified() { stage sft_verified python sft.py "${SFT[@]}" --verified --batch_size 160 --output_dir "$OUT/sft_verified"; }
-both sft sft_verified
+#    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's
+#    verification gate (--verified: what the scorer rejects is dropped; 160 traces a step keep ~59, as many as the
+#    SFT stage trains on), twice the steps, its strategy mix chosen on val for pass@1 and pass@16 (docs/teachers.md).
+#    Like the base it is shipped (pretrained/tiny-teacher; 26 min on a core); --rebuild-teacher runs this command.
+#    Then paper 004's baseline for RLT: a student SFT'd from the base on the teacher's own samples that the
+#    verifier accepts (rejection sampling: 4 samples of each of the first 2,000 training problems, RLT's problems),
+#    and the student of the solver's own clean traces, the ceiling; STUDENT is every student's recipe
+STUDENT=(--init "$OUT/base" "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
+  --eval_every 400)
+teacher() {
+  if [[ -n $REBUILD_TEACHER ]]; then
+    [[ -f $OUT/teacher/wall_seconds && $(cat "$OUT/teacher/wall_seconds") == 0 ]] && rm -rf "$OUT/teacher"  # a copy
+    stage teacher python sft.py "${SFT[@]}" --verified --batch_size 160 --max_steps 2000 \
+      --strategies random:0.5,backward:0.5 --output_dir "$OUT/teacher"
+  else
+    if [[ -n $FORCE || ! -f $OUT/teacher/wall_seconds ]]; then
+      echo "+ cp -r pretrained/tiny-teacher $OUT/teacher    # shipped; --rebuild-teacher trains it as above"
+      rm -rf "$OUT/teacher" && cp -r pretrained/tiny-teacher "$OUT/teacher" && echo 0 > "$OUT/teacher/wall_seconds"
+    fi
+    evaluated teacher
+  fi
+  local accepted=$OUT/teacher/accepted.jsonl
+  if [[ ! -f $accepted || -n $FORCE ]]; then
+    echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export $accepted"
+    python evaluate.py --model "$OUT/teacher" --data "$DATA" --split train --num_problems 2000 --num_samples 4 \
+      --template compact --max_new_tokens 160 --export "$accepted" > /dev/null
+  fi
+  stage teacher_student python sft.py "${STUDENT[@]}" --data "$accepted" --output_dir "$OUT/teacher_student"
+  stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 --near_misses 0.5 --mistakes none \
+    --output_dir "$OUT/solver_student"
+}
+together sft teacher
 
 # 2. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs. Watch
 #    train/mistake/* and train/strategy/backward in metrics.jsonl (and rl_curves.png): RL removes the mistakes SFT
-#    imitated and selects among its two strategies. GRPO beside it (004 Eq. 1-2, 002 Eq. 1): same batch geometry,
-#    KL to the frozen SFT model; rollouts at T 0.7 like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's
-#    T 1.5, β 0.001)
+#    imitated and selects among its two strategies. Then on-policy distillation from the teacher, hybrid with RLOO
+#    (000 Eq. 4, Algorithm 1): same geometry and steps, paper 000's forward KL (--kd_loss reverse: docs/teachers.md).
+#    Beside them GRPO (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model; rollouts at T 0.7
+#    like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001); IPO on the SFT model's own
+#    verifier-labelled samples (000 Eq. 2; lr 3e-5: at 1e-4 the chosen responses lost 1.8 nats too and val pass@1
+#    fell 0.509 -> 0.404, docs/arithmetic.md); and RLT's teacher's short SFT in its own format (004 §A.1: the
+#    solution in the prompt, a solver trace as the explanation; docs/rlt_recipe.md)
 rloo() { stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" --output_dir "$OUT/rloo"; }
+opd() { stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
+  --output_dir "$OUT/opd"; }
 grpo() { stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --beta 0.04 \
   --output_dir "$OUT/grpo"; }
-both rloo grpo
-
-# 3. IPO on the SFT model's own verifier-labelled samples (000 Eq. 2). lr 3e-5: at 1e-4 the chosen responses
-#    lost 1.8 nats too and val pass@1 fell 0.509 -> 0.404 (docs/arithmetic.md). Beside it, on-policy distillation
-#    from the verified SFT model, hybrid with RLOO (000 Eq. 4, Algorithm 1): same geometry and steps as RLOO
 ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts 1024 --max_new_tokens 160 \
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"; }
-opd() { stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/sft_verified" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
-  --output_dir "$OUT/opd"; }
-both ipo opd
+rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_misses 0.5 --micro_batch 16 \
+  --dead_ends 1 --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 \
+  --output_dir "$OUT/rlt_sft"; }
+rloo_then_opd() { rloo; opd; }
+grpo_ipo_rlt_sft() { grpo; ipo; rlt_sft; }
+together rloo_then_opd grpo_ipo_rlt_sft
 
-# 4. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against
-#    its control: OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not the steps
-OPD_ON=(--init "$OUT/opd" --teacher "$OUT/sft_verified" "${COMMON[@]}" "${RL[@]}" "${PG[@]}")
+# 3. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against
+#    its control: OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not
+#    the steps. Beside them RLT (004): the teacher learns to explain given solutions to the frozen SFT student,
+#    writes explanations for the first 2,000 training problems (the few it cannot explain without truncation are
+#    skipped), and a student is SFT'd from the base on them (sft.py holds out a file's last 100 rows), against
+#    stage 1's two students. With RLT_CONTROL=1 also the untrained teacher's student (the same model, 0 steps)
+OPD_ON=(--init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}")
 opd_anticollapse() { stage opd_anticollapse python opd.py "${OPD_ON[@]}" --entropy_coef 1e-2 --kd_temperature 1.3 \
   --output_dir "$OUT/opd_anticollapse"; }
 opd_longer() { stage opd_longer python opd.py "${OPD_ON[@]}" --output_dir "$OUT/opd_longer"; }
-both opd_anticollapse opd_longer
-
-# 5. RLT (004): first the teacher's short SFT in its own format (004 §A.1: the solution in the prompt, a solver
-#    trace as the explanation; it lifted the student from 0.035 to 0.173 test pass@1, docs/rlt_recipe.md), then it
-#    learns to explain given solutions to the frozen SFT student, then it writes traces for 2,000 training problems,
-#    and a student is SFT'd from the base on them. Beside it, the student of the solver's own (clean) traces:
-#    the same steps on the same number of problems. With RLT_CONTROL=1 also the untrained teacher's student (the
-#    same model, 0 steps). Of the 2,000 exported, RLT skips the few it cannot explain without truncation and
-#    sft.py holds out the last 100 rows of a file
-STUDENT=(--init "$OUT/base" "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
-  --eval_every 400)
 rlt_chain() {
-  stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_misses 0.5 --micro_batch 16 --dead_ends 1 \
-    --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 --output_dir "$OUT/rlt_sft"
   stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
     --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
     --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
@@ -154,10 +181,8 @@ rlt_chain() {
     stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"
   fi
 }
-solver_student() { stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 --near_misses 0.5 \
-  --mistakes none --output_dir "$OUT/solver_student"; }
-both rlt_chain solver_student
+together opd_anticollapse opd_longer rlt_chain
 
-# 6. Paper 000's Tables 1 and 2 for every stage, results.json and the plots
+# 4. Paper 000's Tables 1 and 2 for every stage, results.json and the plots
 echo "+ python report.py --run $OUT"
 python report.py --run "$OUT"

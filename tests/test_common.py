@@ -416,3 +416,27 @@ def test_the_shipped_base_is_run_cpu_sh_base_stage_output():
     model, tok = M.load_model(base)
     assert tok.get_vocab() == M.build_tiny_tokenizer().get_vocab()
     assert all(getattr(model.config, k) == v for k, v in M.TINY.items())
+
+
+def test_the_shipped_teacher_is_run_cpu_sh_teacher_command_output():
+    """pretrained/tiny-teacher is what `run_cpu.sh --rebuild-teacher` trains: its args.json holds the
+    teacher command's flags and the SFT=(...) array's as the script writes them today (the
+    teacher's own win), trained from the shipped base, with the base's tokenizer."""
+    import re
+    import shlex
+    teacher = os.path.join(ROOT, "pretrained", "tiny-teacher")
+    args = json.load(open(os.path.join(teacher, "args.json")))
+    script = open(os.path.join(ROOT, "run_cpu.sh")).read()
+    values = lambda text: dict(re.findall(r"--(\w+) (?!-)([\w.:,-]+)", text))  # noqa: E731
+    flags = values(re.search(r"^SFT=\((.*?)\)", script, re.S | re.M).group(1))
+    flags.update(values(re.search(r"^TRACES=\((.*?)\)", script, re.S | re.M).group(1)))
+    command = script[script.index("stage teacher python sft.py"):].split("--output_dir")[0]
+    flags.update(values(command))
+    assert "--verified" in command and args["verified"] and flags["max_steps"] == "2000"
+    for k, v in flags.items():
+        if k in ("init", "output_dir", "data", "eval_data"):
+            continue
+        assert str(args[k]) == v or float(args[k]) == float(v), (k, args[k], v)
+    assert args["data"] == shlex.split(re.search(r'^DATA="(.*)"', script, re.M).group(1))[0]
+    _, tok = M.load_model(teacher)
+    assert tok.get_vocab() == M.build_tiny_tokenizer().get_vocab()
