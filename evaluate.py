@@ -226,13 +226,13 @@ def main():
                                                    args.seed + 1)
     if args.out:
         write_results(args.out, summary, records)
-    if args.export:
-        write_jsonl(args.export, rows := accepted(records, args.template))
-        print(f"exported {len(rows)} accepted samples of {len(records)} problems to {args.export}")
     print(format_table(summary))
     print(format_verification(summary["verification"], "test-time verification (stored)"))
     if args.test_time:
         print(format_verification(summary["verification_live"], "test-time verification (live)"))
+    if args.export:  # last, so that a script can keep this line alone
+        write_jsonl(args.export, rows := accepted(records, args.template))
+        print(f"exported {len(rows)} accepted samples of {len(records)} problems to {args.export}")
 
 
 if __name__ == "__main__":

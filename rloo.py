@@ -70,7 +70,8 @@ def rloo_advantages(reward, positive_weight=1.0):
     positive_weight λ < 1 is W-REINFORCE (Zhu et al., 2025, "The Surprising Effectiveness of
     Negative Reinforcement in LLM Reasoning"): positive advantages x λ, so the update mostly pushes
     mass off wrong rollouts, which the model's prior spreads over other tries, instead of piling it
-    on the right ones; pass@k is kept. The paper weighs rewards ±1 with no baseline; we scale A."""
+    on the right ones: the paper keeps pass@k at large k (here it did not: docs/teachers.md). The
+    paper weighs rewards ±1 with no baseline; we scale A."""
     G = reward.shape[1]
     baseline = (reward.sum(1, keepdim=True) - reward) / (G - 1)                       # (B, G)
     adv = reward - baseline

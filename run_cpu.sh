@@ -130,7 +130,7 @@ teacher() {
   if [[ ! -f $accepted || -n $FORCE ]]; then
     echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export $accepted"
     python evaluate.py --model "$OUT/teacher" --data "$DATA" --split train --num_problems 2000 --num_samples 4 \
-      --template compact --max_new_tokens 160 --export "$accepted" > /dev/null
+      --template compact --max_new_tokens 160 --export "$accepted" | tail -n 1  # the table is of training problems
   fi
   stage teacher_student python sft.py "${STUDENT[@]}" --data "$accepted" --output_dir "$OUT/teacher_student"
   stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 --near_misses 0.5 --mistakes none \
