@@ -16,8 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from evaluate import _STEP  # noqa: E402  a step as the traces write it: a op b = v
-from traces import _solutions, _steps_text, random_path  # noqa: E402
+from traces import _STEP, _solutions, _steps_text, random_path  # noqa: E402  _STEP: a step as written
 
 TRY = re.compile(r"(.*) Target (\d+), (?:found|back)\.")
 
