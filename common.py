@@ -169,7 +169,8 @@ def check_choice(flag, value, choices):
             f"--{flag} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
 
 
-def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum", mu="sampler"):
+def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum", mu="sampler",
+                  positive_weight=1.0):
     """One-line errors for the RL flags every script checks the same way."""
     check_choice("reward", reward, ("sparse", "dense"))
     check_choice("mu", mu, ("sampler", "trainer"))
@@ -178,6 +179,8 @@ def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum",
     if group_size < 2:
         raise CountdownError(
             "--group_size must be at least 2: the advantage compares rollouts of one prompt")
+    if positive_weight < 0:
+        raise CountdownError(f"--positive_weight must be >= 0, not {positive_weight}")
 
 
 def cli(main):

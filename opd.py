@@ -110,12 +110,11 @@ def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, kl_coef, rl_coef, e
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward, pg_norm=args.pg_norm, mu=args.mu)
+    check_rl_args(args.group_size, args.reward, pg_norm=args.pg_norm, mu=args.mu,
+                  positive_weight=args.positive_weight)
     if args.kd_temperature <= 0:
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
     check_choice("kd_loss", args.kd_loss, ("forward", "reverse"))
-    if args.positive_weight < 0:
-        raise CountdownError(f"--positive_weight must be >= 0, not {args.positive_weight}")
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())

@@ -28,8 +28,7 @@ from functools import partial
 import torch
 
 from checkpoints import prepare_run
-from common import (CountdownError, CurriculumArgs, arg, autocast, check_rl_args, cli, parse_args,
-                    seed_everything)
+from common import CurriculumArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
 from curriculum import setup_curriculum
 from data import load_tasks
 from evaluate import eval_metrics
@@ -119,9 +118,8 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm, args.mu)
-    if args.positive_weight < 0:
-        raise CountdownError(f"--positive_weight must be >= 0, not {args.positive_weight}")
+    check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm, args.mu,
+                  args.positive_weight)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
