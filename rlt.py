@@ -27,8 +27,6 @@ Real (1×H100):
 CPU (embedded): the `rlt` stage of run_cpu.sh, which prints its exact command.
 """
 import itertools
-import json
-import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -37,7 +35,7 @@ import torch
 from checkpoints import prepare_run
 from common import (CountdownError, RLArgs, arg, autocast, check_rl_args, cli, parse_args,
                     seed_everything)
-from data import load_tasks, make_prompt
+from data import load_tasks, make_prompt, write_jsonl
 from logprobs import token_stats
 from loop import Run, load_policy, mix_reference, step_seed
 from models import frozen_copy, load_frozen
@@ -251,25 +249,21 @@ def rlt_metrics(ro, reward, r_ss, r_kl, penalized, expl_tokens):
 
 def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
     """sft.py-ready JSONL: per problem the best-r_SS explanation of k, in the student format."""
-    written = 0
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        for s in range(0, len(tasks), 256):
-            ts, ss = tasks[s:s + 256], sols[s:s + 256]
-            ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s)
-            _, r_ss, _ = score_fn([t for t in ts for _ in range(k)],
-                                  [x for x in ss for _ in range(k)], expl, pen)
-            for j, (t, sol) in enumerate(zip(ts, ss)):
-                cands = [i for i in range(j * k, (j + 1) * k) if not pen[i]]
-                if cands:  # a problem whose every explanation was penalized is left out
-                    best = max(cands, key=lambda i: r_ss[i].item())
-                    f.write(json.dumps({"query": student_prompt(t, template), "nums": t["nums"],
-                                        "target": t["target"],
-                                        "completion": student_completion(expl[best], sol),
-                                        "r_ss": r_ss[best].item()}) + "\n")
-                    written += 1
-    os.replace(path + ".tmp", path)
-    print(f"exported {written} traces of {len(tasks)} problems to {path}")
+    rows = []
+    for s in range(0, len(tasks), 256):
+        ts, ss = tasks[s:s + 256], sols[s:s + 256]
+        ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s)
+        _, r_ss, _ = score_fn([t for t in ts for _ in range(k)],
+                              [x for x in ss for _ in range(k)], expl, pen)
+        for j, (t, sol) in enumerate(zip(ts, ss)):
+            cands = [i for i in range(j * k, (j + 1) * k) if not pen[i]]
+            if cands:  # a problem whose every explanation was penalized is left out
+                best = max(cands, key=lambda i: r_ss[i].item())
+                rows.append({"query": student_prompt(t, template), "nums": t["nums"],
+                             "target": t["target"], "r_ss": r_ss[best].item(),
+                             "completion": student_completion(expl[best], sol)})
+    write_jsonl(path, rows)
+    print(f"exported {len(rows)} traces of {len(tasks)} problems to {path}")
 
 
 def main(argv=None):
