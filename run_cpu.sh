@@ -141,15 +141,18 @@ together sft teacher
 # 2. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs. Watch
 #    train/mistake/* and train/strategy/backward in metrics.jsonl (and rl_curves.png): RL removes the mistakes SFT
 #    imitated and selects among its two strategies. Then on-policy distillation from the teacher, hybrid with RLOO
-#    (000 Eq. 4, Algorithm 1): same geometry and steps, paper 000's forward KL (--kd_loss reverse: docs/teachers.md).
+#    (000 Eq. 4, Algorithm 1), chained after RLOO (SFT -> RLOO -> OPD) for 50 steps more, paper 000's forward KL
+#    (--kd_loss reverse: docs/teachers.md). Two departures chosen on val (docs/teachers.md): from SFT the KL pulls the
+#    student toward a skill it cannot learn in 50 steps (val 0.379 against RLOO's 0.464); and λ_KL 0.03, not 0.5: with
+#    the per-token L_PG the KL at 0.5 pulls 2.5-7x as hard as L_PG, where the paper's summed L_PG outweighs it
 #    Beside them GRPO (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model; rollouts at T 0.7
 #    like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001); IPO on the SFT model's own
 #    verifier-labelled samples (000 Eq. 2; lr 3e-5: at 1e-4 the chosen responses lost 1.8 nats too and val pass@1
 #    fell 0.509 -> 0.404, docs/arithmetic.md); and RLT's teacher's short SFT in its own format (004 §A.1: the
 #    solution in the prompt, a solver trace as the explanation; docs/rlt_recipe.md)
 rloo() { stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" --output_dir "$OUT/rloo"; }
-opd() { stage opd python opd.py --init "$OUT/sft" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" \
-  --output_dir "$OUT/opd"; }
+OPD=(--teacher "$OUT/teacher" --kl_coef 0.03 "${COMMON[@]}" "${RL[@]}" "${PG[@]}")
+opd() { stage opd python opd.py --init "$OUT/rloo" "${OPD[@]}" --output_dir "$OUT/opd"; }
 grpo() { stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --beta 0.04 \
   --output_dir "$OUT/grpo"; }
 ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts 1024 --max_new_tokens 160 \
@@ -167,10 +170,9 @@ together rloo_then_opd grpo_ipo_rlt_sft
 #    writes explanations for the first 2,000 training problems (the few it cannot explain without truncation are
 #    skipped), and a student is SFT'd from the base on them (sft.py holds out a file's last 100 rows), against
 #    stage 1's two students. With RLT_CONTROL=1 also the untrained teacher's student (the same model, 0 steps)
-OPD_ON=(--init "$OUT/opd" --teacher "$OUT/teacher" "${COMMON[@]}" "${RL[@]}" "${PG[@]}")
-opd_anticollapse() { stage opd_anticollapse python opd.py "${OPD_ON[@]}" --entropy_coef 1e-2 --kd_temperature 1.3 \
-  --output_dir "$OUT/opd_anticollapse"; }
-opd_longer() { stage opd_longer python opd.py "${OPD_ON[@]}" --output_dir "$OUT/opd_longer"; }
+opd_anticollapse() { stage opd_anticollapse python opd.py --init "$OUT/opd" "${OPD[@]}" --entropy_coef 1e-2 \
+  --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"; }
+opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --output_dir "$OUT/opd_longer"; }
 rlt_chain() {
   stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
     --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
