@@ -17,10 +17,9 @@ one μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its
      by the token count, so line 9's 0.5 / 0.5 weigh like terms.
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
   3. Embedded setting: a tiny teacher written by sft.py, 32 prompts x 8, lr 5e-5, a wrong answer
-     rewarded 0 in the RL half (README; docs/strategies.md); chained after RLOO with λ_KL 0.03:
-     under --pg_norm mean the KL at 0.5 pulls 2.5-7x as hard as L_PG, where the paper's summed L_PG
-     outweighs it, and from SFT a 0.84M student cannot learn the teacher's skill in 50 steps
-     (docs/teachers.md).
+     rewarded 0 in the RL half (README; docs/strategies.md); λ_KL 0.03: under --pg_norm mean the
+     KL at 0.5 pulls 2.5-7x as hard as L_PG (the paper's summed L_PG outweighs its KL) toward a
+     skill a 0.84M student cannot learn in 50 steps (docs/teachers.md).
 
 Real (1×H100, the paper's recipe = the defaults):
   python opd.py --init out/sft --teacher out/teacher --backend vllm

@@ -141,10 +141,10 @@ together sft teacher
 # 2. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs. Watch
 #    train/mistake/* and train/strategy/backward in metrics.jsonl (and rl_curves.png): RL removes the mistakes SFT
 #    imitated and selects among its two strategies. Then on-policy distillation from the teacher, hybrid with RLOO
-#    (000 Eq. 4, Algorithm 1), chained after RLOO (SFT -> RLOO -> OPD) for 50 steps more, paper 000's forward KL
-#    (--kd_loss reverse: docs/teachers.md). Two departures chosen on val (docs/teachers.md): from SFT the KL pulls the
-#    student toward a skill it cannot learn in 50 steps (val 0.379 against RLOO's 0.464); and λ_KL 0.03, not 0.5: with
-#    the per-token L_PG the KL at 0.5 pulls 2.5-7x as hard as L_PG, where the paper's summed L_PG outweighs it
+#    (000 Eq. 4, Algorithm 1): from the SFT model like RLOO, same geometry and steps, paper 000's forward KL
+#    (--kd_loss reverse: docs/teachers.md), λ_KL 0.03, not 0.5, chosen on val: with the per-token L_PG the KL at 0.5
+#    pulls 2.5-7x as hard as L_PG (the paper's summed L_PG outweighs its KL) and drags the student toward a skill it
+#    cannot learn in 50 steps (val 0.379 against RLOO's 0.464; at 0.03: 0.463)
 #    Beside them GRPO (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model; rollouts at T 0.7
 #    like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001); IPO on the SFT model's own
 #    verifier-labelled samples (000 Eq. 2; lr 3e-5: at 1e-4 the chosen responses lost 1.8 nats too and val pass@1
@@ -152,7 +152,7 @@ together sft teacher
 #    solution in the prompt, a solver trace as the explanation; docs/rlt_recipe.md)
 rloo() { stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" --output_dir "$OUT/rloo"; }
 OPD=(--teacher "$OUT/teacher" --kl_coef 0.03 "${COMMON[@]}" "${RL[@]}" "${PG[@]}")
-opd() { stage opd python opd.py --init "$OUT/rloo" "${OPD[@]}" --output_dir "$OUT/opd"; }
+opd() { stage opd python opd.py --init "$OUT/sft" "${OPD[@]}" --output_dir "$OUT/opd"; }
 grpo() { stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --beta 0.04 \
   --output_dir "$OUT/grpo"; }
 ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts 1024 --max_new_tokens 160 \
