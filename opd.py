@@ -14,7 +14,7 @@ one μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its
 ~12.4; --mu trainer takes μ from the trainer's own forward: w = 1). Departures from the paper:
   1. The KL and the entropy are means over each rollout's tokens, L_PG a sum over ~100: λ_KL's KL
      pulled 0.005 as hard as L_PG (grad/<term>; docs/loss_terms.md). --pg_norm mean divides L_PG
-     by the token count, so line 9's 0.5 / 0.5 weigh like terms.
+     by the token count, so both are on one scale (where 0.5 / 0.5 makes the KL the stronger pull).
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
   3. Embedded setting: a tiny teacher written by sft.py, 32 prompts x 8, lr 5e-5, a wrong answer
      rewarded 0 in the RL half (README; docs/strategies.md); λ_KL 0.03: under --pg_norm mean the
