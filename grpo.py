@@ -199,7 +199,7 @@ def main(argv=None):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
                     T_mb = T_rows[rows] if T_easy_hard else T_rows  # the rollouts' temperatures
-                    st = token_stats(model, ids, attn, mask, T_mb, entropy=True)
+                    st = token_stats(model, ids, attn, mask, T_mb, entropy="logged")
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
                             ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb)["logp"]

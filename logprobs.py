@@ -62,7 +62,8 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
     logp_all = torch.log_softmax(logits / temperature, -1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)                             # (N,)
     correct = (logits.argmax(-1) == targets).float()
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and want_entropy != "logged"):
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
     kl = torch.zeros_like(logp)
     # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab; reversed,
     # GKD's KL(softmax(z_S / T) || softmax(z_T / T)), exact over the vocab at each position
@@ -95,6 +96,9 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     152,064: cut to the smaller); the teacher reads `teacher_inputs` = (input_ids,
     attention_mask) of the same (B, T) shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
     relative positions), else the same tokens.
+    entropy="logged": a metric only, built without a graph: a branch of the graph that the loss
+    never reaches is never freed by its backward, and would hold two (N, V) tensors per chunk until
+    the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).
     `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
     positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
     with the chunk, not B x T x V, in forward and (checkpointed) backward."""

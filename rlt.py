@@ -309,7 +309,7 @@ def main(argv=None):
         for rows, ids, attn, mask, sampler_logp in mbs:
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
-                st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
+                st = token_stats(model, ids, attn, mask, args.temperature, entropy="logged")  # at T
                 with torch.no_grad():
                     ref_logp = None if ref is None else \
                         token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]

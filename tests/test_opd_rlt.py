@@ -320,3 +320,27 @@ def test_bad_input_is_a_one_line_error(script, flags, message, ckpts, tmp_path):
     r = subprocess.run([sys.executable, script, "--init", ckpts["student"], *FAST, *flags, "--output_dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("script", ["rloo", "grpo", "opd", "rlt"])
+def test_no_vocab_wide_graph_outlives_an_update(script, ckpts, tmp_path, monkeypatch):
+    """A branch of the graph that the loss never reaches is never freed by backward: GRPO's and
+    RLT's entropy, only logged, held two (N, V) tensors per chunk from one update into the next
+    (63.4 GB at the peak of a walkthrough GRPO step on the H200, 21 of them this; docs/gpu.md).
+    When a step ends, no tensor as wide as the vocabulary may still carry a graph."""
+    import gc
+
+    import loop
+    module = __import__(script)
+    alive, end_step = [], loop.Run.end_step
+
+    def spy(run, *a, **kw):
+        gc.collect()
+        V = run.model.get_output_embeddings().weight.shape[0]
+        alive.extend(tuple(t.shape) for t in gc.get_objects()
+                     if torch.is_tensor(t) and t.grad_fn is not None and t.shape[-1:] == (V,))
+        return end_step(run, *a, **kw)
+    monkeypatch.setattr(loop.Run, "end_step", spy)
+    other = {"opd": ["--teacher", ckpts["teacher"]], "rlt": ["--student", ckpts["teacher"]]}.get(script, [])
+    module.main(["--init", ckpts["student"], *other, *FAST[1:], "--max_steps", "1", "--output_dir", str(tmp_path)])
+    assert alive == []
