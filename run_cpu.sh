@@ -160,31 +160,36 @@ ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num
 rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_misses 0.5 --micro_batch 16 \
   --dead_ends 1 --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 \
   --output_dir "$OUT/rlt_sft"; }
-rloo_then_opd() { rloo; opd; }
-grpo_ipo_rlt_sft() { grpo; ipo; rlt_sft; }
-together rloo_then_opd grpo_ipo_rlt_sft
-
-# 3. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against
-#    its control: OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not
-#    the steps. Beside them RLT (004): the teacher learns to explain given solutions to the frozen SFT student,
-#    writes explanations for the first 2,000 training problems (the few it cannot explain without truncation are
-#    skipped), and a student is SFT'd from the base on them (sft.py holds out a file's last 100 rows), against
-#    stage 1's two students. With RLT_CONTROL=1 also the untrained teacher's student (the same model, 0 steps)
-opd_anticollapse() { stage opd_anticollapse python opd.py --init "$OUT/opd" "${OPD[@]}" --entropy_coef 1e-2 \
-  --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"; }
-opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --output_dir "$OUT/opd_longer"; }
-rlt_chain() {
+#    Then RLT's teacher (004) in the lane that finishes first: it learns to explain given solutions to the frozen
+#    SFT student, and writes explanations for the first 2,000 training problems (the few it cannot explain without
+#    truncation are skipped). With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
+rlt() {
   stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
     --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
     --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
-  stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
   if [[ -n $RLT_CONTROL ]]; then
     stage rlt0 python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 64 \
       --max_response_len 160 --max_steps 0 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
+  fi
+}
+rloo_then_opd() { rloo; opd; }
+grpo_ipo_rlt() { grpo; ipo; rlt_sft; rlt; }
+together rloo_then_opd grpo_ipo_rlt
+
+# 3. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against
+#    its control: OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not
+#    the steps. Beside them RLT's student, SFT'd from the base on the RLT teacher's explanations (sft.py holds out
+#    a file's last 100 rows), against stage 1's two students (and with RLT_CONTROL=1 the untrained teacher's)
+opd_anticollapse() { stage opd_anticollapse python opd.py --init "$OUT/opd" "${OPD[@]}" --entropy_coef 1e-2 \
+  --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"; }
+opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --output_dir "$OUT/opd_longer"; }
+rlt_students() {
+  stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
+  if [[ -n $RLT_CONTROL ]]; then
     stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"
   fi
 }
-together opd_anticollapse opd_longer rlt_chain
+together opd_anticollapse opd_longer rlt_students
 
 # 4. Paper 000's Tables 1 and 2 for every stage, results.json and the plots
 echo "+ python report.py --run $OUT"
