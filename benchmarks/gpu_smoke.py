@@ -8,14 +8,15 @@ peak memory of each phase beside benchmarks/memory.py's estimate, and tokens/s.
     bash benchmarks/gpu_smoke.sh --tiny     # the same path on a CPU in ~10 s (the fast suite)
 
 Stages, in order: sft, evaluate, opd (a random Qwen2.5-7B-shaped teacher in bf16, built in this
-process; a 0.5B-shaped one when less than 60 s of the budget is left), grpo, rloo, and sft_lora
-(step 5's LoRA and checkpointing flags on the 0.5B shape). Each runs its script's own main() in
-this process with the README's flags for its step, then these: the random model, generated tasks
-(base template), SFT traces longer than the budget (every row cut at it, as the longest real ones),
-the HF sampler, 128 rollouts a step, 3 steps, and 8 x 4 evaluation samples at step 0 and at the
-end. With --term_grads in a stage's flags, steps 1 and 3 are diagnose steps (each loss term
-back-propagated alone too; the README's commands leave it off); step 2's update
-tokens/s is the plain one. A random model never stops, so every rollout runs to its budget.
+process; a 0.5B-shaped one when less than 60 s of the budget is left), grpo, rloo, sft_lora
+(step 5's LoRA and checkpointing flags on the 0.5B shape), ipo (pairs from a file: a random model
+makes no on-policy pair) and rlt (the random model both teacher and student; no export). Each runs
+its script's own main() in this process with the README's flags for its step, then these: the
+random model, generated tasks (base template), SFT traces longer than the budget (every row cut at
+it, as the longest real ones), the HF sampler, 128 rollouts a step, 3 steps, and 8 x 4 evaluation
+samples at step 0 and at the end. With --term_grads in a stage's flags, steps 1 and 3 are diagnose
+steps (each loss term back-propagated alone too; the README's commands leave it off); step 2's
+update tokens/s is the plain one. A random model never stops, so every rollout runs to its budget.
 Output, OUT/gpu_smoke.jsonl: a setup line, one line per stage, a summary line. A stage's line: its
 argv, peak_allocated_gb and peak_reserved_gb per phase (setup; sample: the rollouts; update:
 log-probs, loss, backward and AdamW; eval), estimate_gb per phase (memory.py, the same flags, this
@@ -54,7 +55,8 @@ import memory  # noqa: E402
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
 TINY_TEACHER = dict(TINY, hidden_size=96, intermediate_size=192, vocab_size=640)
-STEPS = {"sft": "1", "rloo": "3", "grpo": "4", "opd": "6", "sft_lora": "5", "evaluate": "10"}
+STEPS = {"sft": "1", "ipo": "2", "rloo": "3", "grpo": "4", "opd": "6", "sft_lora": "5", "rlt": "8b",
+         "evaluate": "10"}
 GB = 1e9
 
 
@@ -94,22 +96,27 @@ def random_model(cfg, device, dtype):
 
 
 def write_data(work, tok, n_tasks, n_sft, response_tokens):
-    """tasks.jsonl (nums, target: the RL prompts and the evaluations) and sft.jsonl (query: the
+    """tasks.jsonl (nums, target: the RL prompts and the evaluations), sft.jsonl (query: the
     base template's prompt of a task; completion: solver traces joined until longer than the
-    response budget, so every SFT row is cut at it, as the longest real rows are)."""
+    response budget, so every SFT row is cut at it, as the longest real rows are) and pairs.jsonl
+    (IPO: that prompt, its completion chosen, the next row's rejected: both cut at the budget)."""
     import traces
     from data import load_tasks, make_prompt
     tasks = load_tasks("gen:nums=3-4,test=1,val=1", "train", max(n_tasks, n_sft))
     rng = random.Random(0)
     with open(os.path.join(work, "tasks.jsonl"), "w") as f:
         f.writelines(json.dumps(t) + "\n" for t in tasks[:n_tasks])
+    rows = []
+    for t in tasks[:n_sft]:
+        text = ""
+        while len(tok(text, add_special_tokens=False)["input_ids"]) <= response_tokens:
+            text += traces.make_trace(t["nums"], t["target"], rng, 2.0) + "\n"
+        rows.append((make_prompt(t["nums"], t["target"], "base"), text))
     with open(os.path.join(work, "sft.jsonl"), "w") as f:
-        for t in tasks[:n_sft]:
-            text = ""
-            while len(tok(text, add_special_tokens=False)["input_ids"]) <= response_tokens:
-                text += traces.make_trace(t["nums"], t["target"], rng, 2.0) + "\n"
-            f.write(json.dumps({"query": make_prompt(t["nums"], t["target"], "base"),
-                                "completion": text}) + "\n")
+        f.writelines(json.dumps({"query": q, "completion": c}) + "\n" for q, c in rows)
+    with open(os.path.join(work, "pairs.jsonl"), "w") as f:
+        f.writelines(json.dumps({"prompt": q, "chosen": c, "rejected": rows[i - 1][1]}) + "\n"
+                     for i, (q, c) in enumerate(rows))
     return max(len(tok(make_prompt(t["nums"], t["target"], "base"))["input_ids"]) for t in tasks)
 
 
@@ -277,7 +284,7 @@ def finite(x):
 
 
 # ---- the stages ----------------------------------------------------------------------------------
-def stage_flags(name, command, work, common, tiny, eval_new):
+def stage_flags(name, command, work, common, tiny, eval_new, n_pairs):
     """(flags, note): what a stage sets on its walkthrough command."""
     flags, note = {**common, "output_dir": os.path.join(work, "runs", name)}, ""
     if name in ("sft", "sft_lora"):
@@ -294,9 +301,19 @@ def stage_flags(name, command, work, common, tiny, eval_new):
                      max_new_tokens=eval_new, backend="hf", out=flags["output_dir"],
                      test_time=None)
         note = "--test_time left out: its draws are this sampler's again, and never end"
+    elif name == "ipo":  # pairs from a file, --steps steps of them: no max_steps in ipo.py
+        batch = 8 if tiny else 32
+        flags.update(pairs=os.path.join(work, "pairs.jsonl"), heldout=0, batch_size=batch,
+                     epochs=round(flags.pop("max_steps") * batch / n_pairs, 6),
+                     **({"micro_batch": 4} if tiny else {}))
+        note = ("pairs from a file, both responses cut at the budget: a random model's samples "
+                "make no on-policy pair, so the sampling of step 2's pairs is not measured")
     else:  # RL: --rows rollouts, in groups of the script's own G
         G = memory.parse_command(command)[1].group_size
         flags["batch_size"] = max(1, common["rows"] // G)
+        if name == "rlt":
+            flags.update(student=common["init"], export=None)
+            note = "--export left out: 2,000 explanations are this sampler's again"
     flags.pop("rows", None)
     return flags, note
 
@@ -325,7 +342,8 @@ def measured(name, rows, words, phases, P, L):
         n_eval, new = a.num_problems * a.num_samples, a.max_new_tokens
     else:
         a = memory.parse_command(shlex.join(words))[1]
-        n_rows = a.batch_size * getattr(a, "group_size", 1)  # SFT: rows; RL: rollouts
+        # SFT: rows; IPO: chosen and rejected; RL: rollouts
+        n_rows = a.batch_size * (2 if name == "ipo" else getattr(a, "group_size", 1))
         out.update(throughput(rows, n_rows, P, L))
         steps = [r["step"] for r in rows if r["step"] >= 1]
         out["steps"] = len(steps)
@@ -351,7 +369,7 @@ def main(argv=None):
     p.add_argument("--deadline_s", type=float, default=420,
                    help="a stage still running at this many seconds is stopped as failed, and the "
                         "summary line written: the whole command ends within ~7.5 min")
-    p.add_argument("--stages", default="sft,evaluate,opd,grpo,rloo,sft_lora",
+    p.add_argument("--stages", default="sft,evaluate,opd,grpo,rloo,sft_lora,ipo,rlt",
                    help="which stages, in this order")
     p.add_argument("--steps", type=int, default=3, help="steps of each training stage")
     p.add_argument("--rows", type=int, default=0,
@@ -407,7 +425,8 @@ def main(argv=None):
     save_checkpoint(model, tok, policy_dir)
     n_params = sum(x.numel() for x in model.parameters())
     del model
-    P = write_data(work, tok, 64, 40 if args.tiny else 96, L)
+    n_sft = 40 if args.tiny else 96  # SFT rows and IPO pairs
+    P = write_data(work, tok, 64, n_sft, L)
     gc.collect()
     if cuda:  # the first stage's reserved memory starts from nothing
         torch.cuda.empty_cache()
@@ -435,7 +454,8 @@ def main(argv=None):
         phases, teacher = Phases(), None
         signal.alarm(max(1, int(args.deadline_s - elapsed)))
         try:
-            flags, note = stage_flags(name, walk[STEPS[name]], work, common, args.tiny, eval_new)
+            flags, note = stage_flags(name, walk[STEPS[name]], work, common, args.tiny, eval_new,
+                                      n_sft)
             if name == "opd":  # a random 7B-shaped teacher if there is time, else a 0.5B one
                 big = cuda and time.time() - t_start < args.budget_s - 60
                 teacher, note = build_teacher(tok, teacher_dir, device, big, args.tiny)

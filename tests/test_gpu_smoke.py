@@ -20,7 +20,8 @@ def test_gpu_smoke_tiny_writes_a_finite_line_per_stage(tmp_path):
                        text=True, timeout=300)
     lines = [json.loads(x) for x in (tmp_path / "gpu_smoke.jsonl").read_text().splitlines()]
     by = {x["stage"]: x for x in lines}
-    assert list(by) == ["setup", "sft", "evaluate", "opd", "grpo", "rloo", "sft_lora", "summary"]
+    assert list(by) == ["setup", "sft", "evaluate", "opd", "grpo", "rloo", "sft_lora", "ipo", "rlt",
+                        "summary"]
     for name, row in by.items():
         why = f"{name}: {row.get('error')} {row.get('where')}\n{r.stderr[-3000:]}"
         assert row["ok"] is True, why
@@ -28,13 +29,13 @@ def test_gpu_smoke_tiny_writes_a_finite_line_per_stage(tmp_path):
 
     def positive(x):
         return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-    for name in ("sft", "rloo", "grpo", "opd", "sft_lora"):
+    for name in ("sft", "rloo", "grpo", "opd", "sft_lora", "ipo", "rlt"):
         row = by[name]
         assert row["finite"] and row["steps"] >= 2, row
         assert all(map(positive, row["update_tokens_per_s"])), row
         assert positive(row["estimate_gb"]["update"]), row  # memory.py read the same command
         assert positive(row["eval_tokens_per_s"]), row
-    for name in ("rloo", "grpo", "opd"):  # the rollouts: every row to its budget, the fp32 canary
+    for name in ("rloo", "grpo", "opd", "rlt"):  # the rollouts: every row to its budget, the fp32 canary
         row = by[name]
         assert all(map(positive, row["sample_tokens_per_s"])), row
         assert all(0 <= g < 1e-3 for g in row["sampler_gap"]), row
