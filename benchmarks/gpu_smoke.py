@@ -304,7 +304,7 @@ def stage_flags(name, command, work, common, tiny, eval_new, n_pairs):
     elif name == "ipo":  # pairs from a file, --steps steps of them: no max_steps in ipo.py
         batch = 8 if tiny else 32
         flags.update(pairs=os.path.join(work, "pairs.jsonl"), heldout=0, batch_size=batch,
-                     epochs=round(flags.pop("max_steps") * batch / n_pairs, 6),
+                     epochs=flags.pop("max_steps") * batch / n_pairs,
                      **({"micro_batch": 4} if tiny else {}))
         note = ("pairs from a file, both responses cut at the budget: a random model's samples "
                 "make no on-policy pair, so the sampling of step 2's pairs is not measured")
