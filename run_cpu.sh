@@ -160,7 +160,7 @@ ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num
 rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_misses 0.5 --micro_batch 16 \
   --dead_ends 1 --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 \
   --output_dir "$OUT/rlt_sft"; }
-#    Then RLT's teacher (004) in the lane that finishes first: it learns to explain given solutions to the frozen
+#    Then RLT's teacher (004), after rlt_sft in its lane: it learns to explain given solutions to the frozen
 #    SFT student, and writes explanations for the first 2,000 training problems (the few it cannot explain without
 #    truncation are skipped). With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
 rlt() {
