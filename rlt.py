@@ -40,6 +40,7 @@ from logprobs import token_stats
 from loop import Run, load_policy, mix_reference, step_seed
 from models import frozen_copy, load_frozen
 from sampler import make_sampler, micro_batches
+from traces import arithmetic
 from verifier import solve
 
 
@@ -89,6 +90,8 @@ class Args(RLArgs):
     export_problems: int = arg(2000, "train problems to export, from the first")
     export_best_of: int = arg(1,
                               "explanations drawn per exported problem; the best r_SS one is kept")
+    export_verified: bool = arg(False, "export only explanations whose every written step is right "
+                                       "and that say `found` only at the target (not in 004)")
 
 
 # ---- the two prompt formats (004 Fig. 6-7, adapted) ----------------------------------------------
@@ -247,8 +250,9 @@ def rlt_metrics(ro, reward, r_ss, r_kl, penalized, expl_tokens):
             "train/cut": 1 - sum(ro.finished) / n}  # stopped by the budget, not EOS
 
 
-def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
-    """sft.py-ready JSONL: per problem the best-r_SS explanation of k, in the student format."""
+def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed, verified=False):
+    """sft.py-ready JSONL: per problem the best-r_SS explanation of k, in the student format; with
+    `verified`, of those whose steps traces.arithmetic finds no fault in (r_SS checks no step)."""
     rows = []
     for s in range(0, len(tasks), 256):
         ts, ss = tasks[s:s + 256], sols[s:s + 256]
@@ -256,7 +260,8 @@ def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed):
         _, r_ss, _ = score_fn([t for t in ts for _ in range(k)],
                               [x for x in ss for _ in range(k)], expl, pen)
         for j, (t, sol) in enumerate(zip(ts, ss)):
-            cands = [i for i in range(j * k, (j + 1) * k) if not pen[i]]
+            cands = [i for i in range(j * k, (j + 1) * k) if not pen[i] and not (verified and any(
+                arithmetic([expl[i]], [t["target"]])[m] for m in ("step_error", "false_claims")))]
             if cands:  # a problem whose every explanation was penalized is left out
                 best = max(cands, key=lambda i: r_ss[i].item())
                 rows.append({"query": student_prompt(t, template), "nums": t["nums"],
@@ -333,7 +338,7 @@ def main(argv=None):
     if args.export:
         ex = solved(tasks, args.export_problems)
         export_traces(args.export, explain_fn, score_fn, *zip(*ex), args.export_best_of,
-                      args.template, args.seed)
+                      args.template, args.seed, args.export_verified)
     return model
 
 

@@ -344,3 +344,24 @@ def test_no_vocab_wide_graph_outlives_an_update(script, ckpts, tmp_path, monkeyp
     other = {"opd": ["--teacher", ckpts["teacher"]], "rlt": ["--student", ckpts["teacher"]]}.get(script, [])
     module.main(["--init", ckpts["student"], *other, *FAST[1:], "--max_steps", "1", "--output_dir", str(tmp_path)])
     assert alive == []
+
+
+def test_export_verified_keeps_only_explanations_whose_steps_are_right(tmp_path):
+    """--export_verified: r_SS checks no step, so an explanation that reaches the given solution
+    through a wrong sum scores like a right one; the gate (traces.arithmetic) drops it."""
+    teacher, tok = tiny_model(1)
+    student, _ = tiny_model(0)
+    tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}]
+    sols = ["(3 + 4) * 5", "2 * 9 + 7"]
+    texts = [" 3 + 4 = 7. 5 * 7 = 35.\n</think>", " 3 + 4 = 8. 8 * 5 = 40.\n</think>",
+             " 2 * 9 = 19. 19 + 7 = 26.\n</think>", " 2 * 9 = 17.\n</think>"]  # task 2: both wrong
+    score_fn = functools.partial(rlt.score_explanations, teacher, student, tok, **{**RWD, "micro_batch": 4}, device="cpu")
+    out = {}
+    for verified in (False, True):
+        explain = functools.partial(rlt.explain, ScriptedSampler(tok, texts, [True] * 4), teacher, tok, template="compact",
+                                    max_prompt_len=512, temperature=1.0, max_new_tokens=40, seed=0)
+        rlt.export_traces(str(tmp_path / f"{verified}.jsonl"), explain, score_fn, tasks, sols, 2, "compact", 0, verified)
+        out[verified] = [json.loads(x) for x in open(tmp_path / f"{verified}.jsonl")]
+    assert [r["nums"] for r in out[False]] == [[3, 4, 5], [2, 9, 7]]
+    assert [r["nums"] for r in out[True]] == [[3, 4, 5]]
+    assert out[True][0]["completion"] == rlt.student_completion(rlt.explanation_of(texts[0])[0], sols[0])
