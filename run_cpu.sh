@@ -161,8 +161,8 @@ rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_
   --dead_ends 1 --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 \
   --output_dir "$OUT/rlt_sft"; }
 #    Then RLT's teacher (004), after rlt_sft in its lane: it learns to explain given solutions to the frozen
-#    SFT student, and writes explanations for the first 2,000 training problems (the few it cannot explain without
-#    truncation are skipped). With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
+#    SFT student, and writes explanations for the first 2,000 training problems (a problem whose explanation is cut
+#    by the budget or untagged is skipped: 706 of 2,000 here). With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
 rlt() {
   stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
     --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
