@@ -1,6 +1,9 @@
 """Sampling: n completions per prompt with their log-probs, from one of two backends behind one
 interface (generate -> Rollouts, sync(model), sleep(), wake()):
   HFSampler    plain PyTorch with a KV cache, using the training model itself; CPU friendly, tested.
+               Two decode loops: on a CPU one that drops finished rows and grows its cache; on a
+               GPU one at static shapes, captured once per batch as a CUDA graph and replayed per
+               token (a step is ~1,300 small kernels: launched one by one the card sat idle).
   VLLMSampler  a vLLM engine in the trainer's process, pinned to vllm==0.32.0
                (`pip install -e ".[vllm]"` on a GPU); its CPU build runs the opt-in lane
                `pytest -m vllm` here. vllm is imported inside it, so nothing on the HF path touches
@@ -10,6 +13,7 @@ The RL scripts' rollout plumbing is here too: rollouts() samples, score_rollouts
 verifier, rollout_batch() turns rows into trainer tensors.
 """
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -78,16 +82,39 @@ class HFSampler:
     256 (a step's fixed cost is shared by more rows), no faster in 2,048 (docs/performance.md).
     On a GPU it decodes in bf16 (_decode_precision) and a batch holds only the rows whose KV cache
     fits `kv_budget` bytes (default a quarter of the card): 1,024 rows of 1,300 positions of a 7B
-    model's cache are 68 GB."""
+    model's cache are 68 GB.
+    `decode` picks the loop (DECODE; None: "graph" on a GPU, "dynamic" on a CPU):
+      dynamic  the loop above: the cache grows, finished rows leave the batch;
+      static   one step at fixed shapes (_StaticStep): every row decodes to the batch's end, the
+               cache preallocated, positions and step index on the device;
+      graph    that step captured as a CUDA graph once per batch and replayed per token (CUDA
+               only): the same tokens and log-probs as `static` for the same seed."""
 
-    def __init__(self, model, tokenizer, batch_size=1024, kv_budget=None):
+    DECODE = ("dynamic", "static", "graph")
+
+    def __init__(self, model, tokenizer, batch_size=1024, kv_budget=None, decode=None):
         if batch_size < 1:
             raise CountdownError(f"--batch_size (rows decoded together) must be at least 1, not "
                                  f"{batch_size}")
-        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+        if decode not in (None, *self.DECODE):
+            raise CountdownError(f"decode must be one of {', '.join(self.DECODE)}, not {decode!r}")
+        self.model, self.tok, self.batch_size, self.decode = model, tokenizer, batch_size, decode
         if kv_budget is None and model.device.type == "cuda":
             kv_budget = torch.cuda.get_device_properties(model.device).total_memory / 4
         self.kv_budget = kv_budget  # None: batch_size alone (a CPU)
+
+    def decode_mode(self):
+        """The decode loop for the model's device now: `decode`, else by device. On a CPU the
+        dynamic loop was the faster (docs/performance.md); on a GPU a step is launch-bound, so
+        dropping rows saves nothing and a graph replay saves the launches."""
+        dev = self.model.device
+        mode = self.decode or ("graph" if dev.type == "cuda" else "dynamic")
+        if mode == "graph" and (dev.type != "cuda"
+                                or not hasattr(torch.cuda.CUDAGraph, "register_generator_state")):
+            raise CountdownError(f"decode='graph' needs a CUDA model and a torch whose CUDA graphs "
+                                 f"take a generator (2.4+), not {dev.type} with torch "
+                                 f"{torch.__version__}: use decode='static'")
+        return mode
 
     def rows_per_batch(self, slots):
         """batch_size, or fewer where their KV cache of `slots` positions a row (keys and values of
@@ -120,11 +147,16 @@ class HFSampler:
         self.model.eval()
         out_ids, out_lp, finished = [], [], []
         size = self.rows_per_batch(max(map(len, rows), default=0) + max_new_tokens)
+        mode = self.decode_mode()
+        batch = self._batch if mode == "dynamic" else \
+            functools.partial(self._batch_static, graph=mode == "graph")
+        # one autocast around every batch: a graph reads the bf16 copies of the weights that
+        # autocast cached in it, freed when it ends
         with _decode_precision(self.model.device):
             for s in range(0, len(rows), size):
                 for acc, new in zip((out_ids, out_lp, finished),
-                                    self._batch(rows[s:s + size], temperature, top_p, top_k,
-                                                max_new_tokens, gen, bottom_p, bottom_p_freq)):
+                                    batch(rows[s:s + size], temperature, top_p, top_k,
+                                          max_new_tokens, gen, bottom_p, bottom_p_freq)):
                     acc += new
         self.model.train(was_training)
         texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id]
@@ -158,11 +190,44 @@ class HFSampler:
             pos = pos + 1
             logits = head(_forward(decoder, tok[:, None], pos[:, None], rope, kv,
                                    bias[:, :P + t + 1]))  # (live, V)
-        done = toks == eos  # (b, L)
-        finished = done.any(1)
-        lengths = torch.where(finished, done.int().argmax(1) + 1, L).tolist()  # through the EOS
-        return ([x[:k] for x, k in zip(toks.tolist(), lengths)],
-                [x[:k] for x, k in zip(lps.tolist(), lengths)], finished.tolist())
+        return _trim(toks, lps, eos)
+
+    def _batch_static(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
+                      bottom_p_freq, graph=False):
+        """_batch at static shapes (_StaticStep): every row runs to the batch's end, drawing each
+        step, so a row's draws do not depend on which others finished; the batch stops when every
+        row has. With `graph`, step 1 runs eagerly (the warm-up) and is captured, and each later
+        token is one replay of it (_graphed)."""
+        eos, L = self.tok.eos_token_id, max_new_tokens
+        decoder, head = _decoder_parts(self.model)
+        logits, kv, bias, pos, rope = _prefill(decoder, head, rows, L, eos, slots=0)
+
+        def pick(x):  # looked up at each call: the tests script _pick
+            return _pick(x, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)
+        step = _StaticStep(decoder, head, kv, bias, pos, rope, logits, L, pick, temperature, eos)
+        del kv, logits  # the prompt's cache now lives in the step's buffer
+        replay = None
+        for t in range(1, L):
+            if not step.active.any():  # the step's one host sync, as _batch's
+                break
+            if replay is not None:
+                replay()
+            elif graph and t < L - 1:  # worth capturing: at least one replay follows
+                replay = _graphed(step, gen)
+            else:
+                step()
+        return _trim(step.toks, step.lps, eos)
+
+
+def _trim(toks, lps, eos):
+    """Each row's tokens (b, L) and log-probs (b, L) as lists cut after its first EOS (junk
+    follows it), or all L where it has none; and whether it had one (finished)."""
+    L = toks.shape[1]
+    done = toks == eos  # (b, L)
+    finished = done.any(1)
+    lengths = torch.where(finished, done.int().argmax(1) + 1, L).tolist()  # through the EOS
+    return ([x[:k] for x, k in zip(toks.tolist(), lengths)],
+            [x[:k] for x, k in zip(lps.tolist(), lengths)], finished.tolist())
 
 
 def _decode_precision(dev):
@@ -181,11 +246,13 @@ def _decode_slots(dev, L):
     return L if dev.type == "cuda" else _KVCache.R
 
 
-def _prefill(decoder, head, rows, L, eos):
+def _prefill(decoder, head, rows, L, eos, slots=None):
     """The prompts `rows` (token-id lists) left-padded to the longest, P, and run through the
     decoder: (logits (b, V) of their last tokens, their KV cache, the attention bias (b, P + L),
     each row's last position (b,), the RoPE table). generate() repeats each prompt n times: each
-    distinct prompt runs once, its keys and values are then copied to every row that shares it."""
+    distinct prompt runs once, its keys and values are then copied to every row that shares it.
+    `slots`: of the cache's written-in-place part (default _decode_slots; the static step brings
+    its own buffer: 0)."""
     dev = decoder.embed_tokens.weight.device
     prompts = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, rows)))}
     which = torch.tensor([prompts[tuple(r)] for r in rows], device=dev)  # (b,) row -> prompt
@@ -204,7 +271,8 @@ def _prefill(decoder, head, rows, L, eos):
     if not torch.isfinite(logits).all():
         raise CountdownError("the model's logits are not finite: its weights have blown up (too "
                              "large an --lr?)")
-    kv.spread(which, _decode_slots(dev, L))  # from the u prompts to all b rows
+    # from the u prompts to all b rows
+    kv.spread(which, _decode_slots(dev, L) if slots is None else slots)
     return logits[which], kv, bias[which], pos[which, -1], rope
 
 
@@ -333,6 +401,110 @@ def _attention(attn, x, cos, sin, kv, i, bias):
 def _rope(x, cos, sin):
     """Rotary position embedding of x (b, h, T, d); cos, sin (b, 1, T, d) from _rope_table."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+# ---- the decode step at static shapes (a GPU's), and its CUDA graph ------------------------------
+class _StaticStep:
+    """One decode step whose shapes and pointers never change, so that a CUDA graph can replay it:
+    every buffer is allocated here and updated in place, and what moves from step to step (the
+    step index t, the positions) lives on the device. Calling it forwards the last token of every
+    row through the model's own modules, writes its keys and values at cache slot P + t - 1, then
+    picks and records token t (its log-prob under softmax(logits / T), as _batch's). Finished rows
+    keep decoding (their tokens after the EOS are junk, cut by _trim): dropping them saves nothing
+    when a step is launch-bound, and every row draws each step."""
+
+    def __init__(self, decoder, head, kv, bias, pos, rope, logits, L, pick, temperature, eos):
+        old = kv.old  # (layers, 2, b, Hkv, P, d): the prompts' keys and values
+        b, P, dev = old.shape[2], old.shape[4], logits.device
+        self.decoder, self.head, self.rope, self.pick = decoder, head, rope, pick
+        self.P, self.temperature, self.eos = P, temperature, eos
+        # one buffer of P + L slots. Zeros, not empty: a slot not yet written is masked by -inf,
+        # but a NaN left in it would still make its score NaN
+        self.cache = old.new_zeros(*old.shape[:4], P + L, old.shape[5])
+        self.cache[..., :P, :] = old
+        # -inf at a row's padding and at every slot not yet written; a step opens its own. Rows
+        # padded to 8 values: memory-efficient attention copies a mask whose rows are not aligned
+        self.bias = bias.new_full((b, -(-(P + L) // 8) * 8), float("-inf"))[:, :P + L]  # (b, S)
+        self.bias[:, :P] = bias[:, :P]
+        self.pos = pos.clone()  # (b,) each row's last position
+        self.t = torch.zeros(1, dtype=torch.long, device=dev)  # the token the next pick writes
+        self.tok = torch.full((b,), eos, device=dev)  # each row's last token
+        self.toks = torch.full((b, L), eos, device=dev)
+        self.lps = torch.zeros(b, L, device=dev)
+        self.active = torch.ones(b, dtype=torch.bool, device=dev)  # rows without an EOS yet
+        self._take(logits)  # token 0, from the prompts' logits
+
+    def __call__(self):
+        slot = self.t + (self.P - 1)  # (1,) where the last token's keys and values go
+        self.bias.index_fill_(1, slot, 0.0)  # from now on every row attends to it
+        self.pos.add_(1)
+        h = _forward_static(self.decoder, self.tok[:, None], self.pos[:, None], self.rope,
+                            self.cache, slot, self.bias)
+        self._take(self.head(h))  # (b, V)
+
+    def _take(self, logits):
+        """Pick token t of every row from `logits` (b, V) and record it and its log-prob at t."""
+        tok = self.pick(logits)  # (b,)
+        tempered = logits.float() / (self.temperature or 1.0)  # the trainer's token_stats(T)
+        lp = torch.log_softmax(tempered, -1).gather(-1, tok[:, None])  # (b, 1)
+        self.toks.index_copy_(1, self.t, tok[:, None])
+        self.lps.index_copy_(1, self.t, lp)
+        self.active &= tok != self.eos
+        self.tok.copy_(tok)
+        self.t.add_(1)
+
+
+def _forward_static(decoder, ids, pos, rope, cache, slot, bias):
+    """_forward's decode step (T = 1) over the whole static cache (layers, 2, b, Hkv, S, d): the
+    keys and values of `ids` (b, 1) written at `slot` (1,), `bias` (b, S) masking what a row may
+    not read. The final-norm hidden state (b, D)."""
+    b, Hkv = ids.shape[0], cache.shape[3]
+    g = decoder.config.num_attention_heads // Hkv  # query heads per KV head
+    cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]  # (b, 1, 1, d)
+    mask = bias[:, None, None].expand(b, Hkv, g, bias.shape[1])  # (b, Hkv, g, S), no copy
+    h = decoder.embed_tokens(ids)  # (b, 1, D)
+    for i, layer in enumerate(decoder.layers):
+        h = h + _attention_static(layer.self_attn, layer.input_layernorm(h), cos, sin, cache[i],
+                                  slot, mask)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return decoder.norm(h[:, -1])
+
+
+def _attention_static(attn, x, cos, sin, cache, slot, mask):
+    """One layer's self-attention of x (b, 1, D) over its cache (2, b, Hkv, S, d), its own keys and
+    values written in at `slot` first: torch's fused attention, with grouped-query attention's g
+    query heads of a KV head as g query rows of it (adjacent, as transformers' repeat_kv orders
+    them), so no keys are copied. (b, 1, D)"""
+    b, T, _ = x.shape
+    d, Hkv = attn.head_dim, cache.shape[2]
+    q = attn.q_proj(x).view(b, T, -1, d).transpose(1, 2)  # (b, H, 1, d)
+    k = attn.k_proj(x).view(b, T, Hkv, d).transpose(1, 2)  # (b, Hkv, 1, d)
+    v = attn.v_proj(x).view(b, T, Hkv, d).transpose(1, 2)
+    cache[0].index_copy_(2, slot, _rope(k, cos, sin).to(cache.dtype))
+    cache[1].index_copy_(2, slot, v.to(cache.dtype))
+    q = _rope(q, cos, sin).reshape(b, Hkv, -1, d).to(cache.dtype)  # (b, Hkv, g, d)
+    o = torch.nn.functional.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask,
+                                                         scale=attn.scaling)  # (b, Hkv, g, d)
+    return attn.o_proj(o.reshape(b, T, -1))
+
+
+def _graphed(step, gen):
+    """`step` run once eagerly, then captured as a CUDA graph: its replay (one launch for the
+    whole step). The eager step is the warm-up torch asks for, on the stream the capture then
+    uses (cuBLAS's workspace for it, autocast's bf16 copies of the weights cached: neither is
+    recorded), and a real step: it decodes a token. The sampling generator is registered with the
+    graph, so each replay draws the next numbers of the same stream as an eager step would (its
+    offset advances per replay): the graph's tokens are the static loop's for the same seed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(gen)
+    with torch.cuda.graph(graph, stream=stream):  # records only: nothing runs until a replay
+        step()
+    return graph.replay
 
 
 # ---- the vLLM backend ----------------------------------------------------------------------------
