@@ -185,11 +185,25 @@ def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum",
 
 def cli(main):
     """Run `main`; a CountdownError becomes one line on stderr and exit code 2."""
+    follow_threads()
     try:
         main()
     except CountdownError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def follow_threads():
+    """Take the thread count run_cpu.sh's scheduler (pipeline.py) gives this stage now: when a stage
+    beside it ends, its cores go to the ones still running. Called at the start and once a training
+    step; nothing without $COUNTDOWN_THREADS_FILE (torch then keeps OMP_NUM_THREADS or its own)."""
+    path = os.environ.get("COUNTDOWN_THREADS_FILE")
+    try:
+        n = int(open(path).read()) if path else 0
+    except (OSError, ValueError):  # not written yet
+        return
+    if n > 0 and n != torch.get_num_threads():
+        torch.set_num_threads(n)
 
 
 def seed_everything(seed):

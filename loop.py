@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
-from common import CountdownError, Logger, trains_in_bf16
+from common import CountdownError, Logger, follow_threads, trains_in_bf16
 from models import frozen_dtype, load_model
 from traces import mistake_shares, strategy_metrics, strategy_stats
 
@@ -53,9 +53,34 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
                 model = get_peft_model(model, config)
         except ValueError as e:  # a target name the model does not have
             raise CountdownError(f"--lora_targets {lora_targets}: {e}") from None
-    if compile:  # dynamic: every micro-batch has its own length; the first call compiles
-        model.get_decoder().compile(dynamic=True)
+    if compile and compile_pays(device):  # dynamic: each micro-batch has its own length; the
+        model.get_decoder().compile(dynamic=True)  # first call compiles
     return model, tok, device
+
+
+def compile_pays(device):
+    """--compile where it is measured faster and can build: on a GPU, and on a CPU with AVX512,
+    where SFT's step ran 1.3x faster in bf16 and 1.22x in fp32 (0.74 s against 0.90,
+    docs/performance.md); not on an AVX2 CPU, where the compiled step was slower (1.45-1.94 s
+    against 1.07 s eager: issue 44's machine), nor on others, not measured. On a CPU, inductor
+    needs a C++ compiler with OpenMP and Python's headers (absent on a bare Ubuntu/WSL, or macOS
+    without libomp): a small kernel is compiled first, and where it fails the run goes on eager
+    with one line saying why, not a traceback at its first step."""
+    if device == "cuda":
+        return True
+    isa = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, DEFAULT (e.g. ARM), ...
+    if not isa.startswith("AVX512"):
+        print(f"--compile: skipped on this {isa} CPU (it paid only with AVX512; slower on AVX2)")
+        return False
+    try:
+        torch.compile(lambda x: (x @ x).relu().sum(-1))(torch.randn(8, 8))
+    except Exception as e:  # inductor's InvalidCxxCompiler, a missing omp.h or Python.h, ...
+        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        print(f"--compile: skipped, no working C++ compiler for torch.compile here ({why[:160]})")
+        return False
+    finally:
+        torch._dynamo.reset()  # the probe's graph is not the model's
+    return True
 
 
 def warmup_lr(opt, lr, step, warmup_steps):
@@ -205,6 +230,7 @@ class Run:
         if not self.start and self.eval_first:
             self.log.log(0, self.evaluate())  # where the init starts
         for step in range(self.start + 1, self.total + 1):
+            follow_threads()  # a stage that ended beside this one left its cores
             self.step, self.t0, self.t_sample = step, time.time(), 0.0
             if self.lr is not None:
                 warmup_lr(self.opt, self.lr, step, self.warmup_steps)

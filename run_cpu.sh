@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The embedded pipeline on a CPU, stage by stage (papers 000 and 004 in miniature). Every command is
 # printed before it runs, so you can copy it (and swap the flags for the papers' defaults) to a GPU.
-#   ./run_cpu.sh [--force] [--rebuild-base] [--rebuild-teacher] [OUT_DIR]
+#   ./run_cpu.sh [--force] [--rebuild-base] [--rebuild-teacher] [--plan] [OUT_DIR]
 #       OUT_DIR defaults to out/cpu; a finished stage (OUT_DIR/NAME/wall_seconds) is skipped and a killed one
 #       resumed from its last state; --force reruns all; --rebuild-base trains the base model here instead of
 #       copying the shipped one (pretrained/tiny-base, this script's own base stage: stage 0 below);
-#       --rebuild-teacher likewise OPD's teacher (pretrained/tiny-teacher, stage 1's teacher command)
+#       --rebuild-teacher likewise OPD's teacher (pretrained/tiny-teacher, stage 1's teacher command);
+#       --plan prints the order the stages would run in on this machine, and runs nothing
+#   Stages that do not need each other run side by side (pipeline.py), as many as the machine has cores, sharing
+#   them; each stage's output goes to OUT_DIR/logs/NAME.log and a status line comes every 30 s (STATUS_EVERY).
+#   SERIAL=1 ./run_cpu.sh               one stage at a time, with every core
+#   CORES=4 ./run_cpu.sh                the cores to use (default: torch's count of physical cores, or OMP_NUM_THREADS)
+#   ANTICOLLAPSE=1 ./run_cpu.sh         also paper 000's anti-collapse study (two more OPD stages, ~+10 min)
 #   RLT_CONTROL=1 ./run_cpu.sh          also RLT's control: a student of the untrained teacher (+2.5 min here)
-#   SERIAL=1 ./run_cpu.sh               every stage one after the other (by default independent ones run side by side)
 # At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -16,13 +21,33 @@ RLT_CONTROL=${RLT_CONTROL:-}
 REBUILD_BASE=${REBUILD_BASE:-}
 REBUILD_TEACHER=${REBUILD_TEACHER:-}
 SERIAL=${SERIAL:-}
+ANTICOLLAPSE=${ANTICOLLAPSE:-}
+PLAN=""
+UNIT=""  # --unit NAME: run one unit of stages (how pipeline.py starts each)
+FLAGS=()
 while [[ ${1:-} == --* ]]; do
   case $1 in --force) FORCE=1;; --rebuild-base) REBUILD_BASE=1;; --rebuild-teacher) REBUILD_TEACHER=1;;
+    --plan) PLAN=1;; --unit) UNIT=$2; shift;;
     *) echo "unknown flag $1" >&2; exit 2;; esac
+  [[ $1 == --unit || $1 == --plan ]] || FLAGS+=("$1")
   shift
 done
+# The venv's python if there is one and none is active (README, Quickstart), else python (or python3) on the PATH
+PY=${PYTHON:-$(if [[ -z ${VIRTUAL_ENV:-} && -x .venv/bin/python ]]; then echo .venv/bin/python;
+               else command -v python || command -v python3 || echo python; fi)}
+python() { "$PY" "$@"; }
 OUT=${1:-out/cpu}
-mkdir -p "$OUT"
+[[ -n $PLAN ]] || mkdir -p "$OUT/logs"
+if [[ -z $UNIT ]]; then
+  python -c "import torch, transformers" 2>/dev/null || {
+    echo "error: $PY cannot import torch and transformers: install first (README, Quickstart: ./install.sh)" >&2
+    exit 2; }
+  # Every thread pool a command may start, sized to the machine's cores (pipeline.py gives each stage side by side
+  # its share): torch counts physical cores (macOS too) and keeps a user's OMP_NUM_THREADS
+  CORES=${CORES:-${OMP_NUM_THREADS:-$(python -c "import torch; print(torch.get_num_threads())")}}
+  export OMP_NUM_THREADS=$CORES MKL_NUM_THREADS=$CORES OPENBLAS_NUM_THREADS=$CORES VECLIB_MAXIMUM_THREADS=$CORES \
+    RAYON_NUM_THREADS=$CORES TORCHINDUCTOR_COMPILE_THREADS=$CORES
+fi
 
 # One problem distribution for every stage: 3 numbers in 1-20, targets 10-100. Its 200 test problems
 # are never trained on; periodic evals use the 100 val problems x 4 samples (a pass@1 curve; the 200 x 16
@@ -48,33 +73,30 @@ stage() {  # stage NAME COMMAND...: run unless finished before; record its wall 
   else
     local again=(--overwrite)  # a stage killed halfway goes on from its last state; else it starts afresh
     [[ -d $OUT/$name/state && -z "$FORCE" ]] && again=(--resume "$OUT/$name")
+    echo "== $name: training (log: $OUT/logs/$name.log)"
     echo "+ $* ${again[*]}"
     local start=$SECONDS
-    "$@" "${again[@]}"
+    logged "$name" "$@" "${again[@]}"
     echo $((SECONDS - start)) > "$OUT/$name/wall_seconds"
   fi
   evaluated "$name"
 }
 
+logged() {  # logged NAME COMMAND...: run it, its output to OUT/logs/NAME.log when run side by side, else here
+  local name=$1; shift
+  if [[ -n $UNIT ]]; then "$@" >> "$OUT/logs/$name.log" 2>&1; else "$@"; fi
+}
+
 evaluated() {  # evaluated NAME: paper 000's test evaluation (200 problems x 16 samples) of a policy
   local name=$1
   case $name in base|rlt_sft|rlt|rlt0) return 0;; esac  # no answers yet / a teacher explains given solutions
+  echo "== $name: evaluating (200 test problems x 16 samples)"
   echo "+ python evaluate.py --model $OUT/$name --data $DATA --template compact --num_problems 200 --max_new_tokens 160 --out $OUT/eval/$name"
-  python evaluate.py --model "$OUT/$name" --data "$DATA" --template compact --num_problems 200 \
+  logged "$name" python evaluate.py --model "$OUT/$name" --data "$DATA" --template compact --num_problems 200 \
     --max_new_tokens 160 --out "$OUT/eval/$name"
-}
-
-together() {  # together F G ...: stages that do not depend on each other side by side, one thread each (two RL
-  # stages so gave 1.35x the throughput of one after the other on 2 cores: small matrices leave the second core
-  # half idle; docs/performance.md). Each writes to OUT/F.log; the commands are printed when all are done.
-  # SERIAL=1: one after the other, all output here
-  if [[ -n $SERIAL ]]; then local f; for f in "$@"; do "$f"; done; return; fi
-  echo "== side by side: $* (output in $OUT/NAME.log)"
-  local f pids=() failed=""
-  for f in "$@"; do (export OMP_NUM_THREADS=1; "$f") > "$OUT/$f.log" 2>&1 & pids+=($!); done
-  for i in "${!pids[@]}"; do wait "${pids[$i]}" || failed="$failed ${*:i+1:1}"; done
-  for f in "$@"; do grep -h '^+ \|^== ' "$OUT/$f.log" || true; done
-  [[ -z $failed ]] || { echo "error:$failed failed: see its log in $OUT" >&2; exit 1; }
+  python -c "import json, sys; s = json.load(open(sys.argv[1])); p = s['pass_at_k']
+print(f'== {sys.argv[2]}: test pass@1 {p[\"1\"]:.3f} ± {1.96 * s[\"pass_at_1_stderr\"]:.3f}, pass@16 {p[\"16\"]:.3f}')" \
+    "$OUT/eval/$name/summary.json" "$name"
 }
 
 # 0. The base model, the analog of pretraining: a tiny Qwen2 from scratch learns arithmetic by plain next-token
@@ -83,14 +105,16 @@ together() {  # together F G ...: stages that do not depend on each other side b
 #    model it is downloaded, not trained, by default: pretrained/tiny-base is this stage's output, built by the
 #    command below (its README says where and how well). --rebuild-base runs that command here instead (about 6 min
 #    on 2 cores with AVX512-BF16, 25 without)
-if [[ -n $REBUILD_BASE ]]; then
-  [[ -f $OUT/base/wall_seconds && $(cat "$OUT/base/wall_seconds") == 0 ]] && rm -rf "$OUT/base"  # a copy: train
-  stage base python sft.py --init tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
-    --batch_size 64 --micro_batch 64 --max_steps 2000 --eval_every 500 --save_every 500 --output_dir "$OUT/base"
-elif [[ -n $FORCE || ! -f $OUT/base/wall_seconds ]]; then
-  echo "+ cp -r pretrained/tiny-base $OUT/base    # the shipped base; --rebuild-base trains it as above"
-  rm -rf "$OUT/base" && cp -r pretrained/tiny-base "$OUT/base" && echo 0 > "$OUT/base/wall_seconds"
-fi
+base() {
+  if [[ -n $REBUILD_BASE ]]; then
+    [[ -f $OUT/base/wall_seconds && $(cat "$OUT/base/wall_seconds") == 0 ]] && rm -rf "$OUT/base"  # a copy: train
+    stage base python sft.py --init tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
+      --batch_size 64 --micro_batch 64 --max_steps 2000 --eval_every 500 --save_every 500 --output_dir "$OUT/base"
+  elif [[ -n $FORCE || ! -f $OUT/base/wall_seconds ]]; then
+    echo "+ cp -r pretrained/tiny-base $OUT/base    # the shipped base; --rebuild-base trains it as above"
+    rm -rf "$OUT/base" && cp -r pretrained/tiny-base "$OUT/base" && echo 0 > "$OUT/base/wall_seconds"
+  fi
+}
 
 # 1. SFT from the base (000 §3.2 Eq. 1) on an *unverified* source, the analog of the real SFT set: LLM-written
 #    traces (Cognitive Behaviors' cog_behav_all_strategies) of which only ~37 % are correct. The solver writes each
@@ -111,7 +135,7 @@ sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
 #    shipped (pretrained/tiny-teacher; 29 min on a core); --rebuild-teacher runs this command here instead.
 #    Then paper 004's baseline for RLT: a student SFT'd from the base on the teacher's own samples that the
 #    verifier accepts (rejection sampling: 4 samples of each of the first 2,000 training problems, RLT's problems),
-#    and the student of the solver's own clean traces, the ceiling; STUDENT is every student's recipe
+#    and (a unit of its own) the student of the solver's own clean traces, the ceiling; STUDENT is every student's recipe
 STUDENT=(--init "$OUT/base" "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_size 64 --micro_batch 32 --max_steps 400 \
   --eval_every 400)
 teacher() {
@@ -128,15 +152,16 @@ teacher() {
   fi
   local accepted=$OUT/teacher/accepted.jsonl
   if [[ ! -f $accepted || -n $FORCE ]]; then
+    echo "== teacher: evaluating (4 samples of 2,000 training problems: teacher_student's data)"
     echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export $accepted"
-    python evaluate.py --model "$OUT/teacher" --data "$DATA" --split train --num_problems 2000 --num_samples 4 \
-      --template compact --max_new_tokens 160 --export "$accepted" | tail -n 1  # the table is of training problems
+    logged teacher python evaluate.py --model "$OUT/teacher" --data "$DATA" --split train --num_problems 2000 \
+      --num_samples 4 --template compact --max_new_tokens 160 --export "$accepted"
+    tail -n 1 "$OUT/logs/teacher.log"  # (its table is of training problems)
   fi
   stage teacher_student python sft.py "${STUDENT[@]}" --data "$accepted" --output_dir "$OUT/teacher_student"
-  stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 --near_misses 0.5 --mistakes none \
-    --output_dir "$OUT/solver_student"
 }
-together sft teacher
+solver_student() { stage solver_student python sft.py "${STUDENT[@]}" --fixed_traces --dead_ends 1 --near_misses 0.5 \
+  --mistakes none --output_dir "$OUT/solver_student"; }
 
 # 2. RLOO from the SFT checkpoint (000 Eq. 3): 32 prompts x 8 rollouts per step, the paper's other knobs. Watch
 #    train/mistake/* and train/strategy/backward in metrics.jsonl (and rl_curves.png): RL removes the mistakes SFT
@@ -160,10 +185,11 @@ ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num
 rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_misses 0.5 --micro_batch 16 \
   --dead_ends 1 --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 \
   --output_dir "$OUT/rlt_sft"; }
-#    Then RLT's teacher (004), after rlt_sft in its lane: it learns to explain given solutions to the frozen
+#    Then RLT's teacher (004), after rlt_sft in its unit: it learns to explain given solutions to the frozen
 #    SFT student, and writes explanations for the first 2,000 training problems (a problem whose explanation is cut
 #    by the budget or untagged is skipped: 706 of 2,000 here). With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
 rlt() {
+  rlt_sft
   stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
     --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
     --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
@@ -172,24 +198,37 @@ rlt() {
       --max_response_len 160 --max_steps 0 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
   fi
 }
-rloo_then_opd() { rloo; opd; }
-grpo_ipo_rlt() { grpo; ipo; rlt_sft; rlt; }
-together rloo_then_opd grpo_ipo_rlt
 
-# 3. Anti-collapse OPD (000 §3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against
-#    its control: OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not
-#    the steps. Beside them RLT's student, SFT'd from the base on the RLT teacher's explanations (sft.py holds out
-#    a file's last 100 rows), against stage 1's two students (and with RLT_CONTROL=1 the untrained teacher's)
-opd_anticollapse() { stage opd_anticollapse python opd.py --init "$OUT/opd" "${OPD[@]}" --entropy_coef 1e-2 \
-  --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"; }
-opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --output_dir "$OUT/opd_longer"; }
-rlt_students() {
+# 3. RLT's student, SFT'd from the base on the RLT teacher's explanations (sft.py holds out a file's last 100 rows),
+#    against stage 1's two students (and with RLT_CONTROL=1 the untrained teacher's). With ANTICOLLAPSE=1, paper
+#    000's anti-collapse OPD (§3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against its
+#    control, OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not the
+#    steps. Off by default since issue 44: nine seed pairs measured no effect here (docs/teachers.md §3), and the
+#    two stages were a fifth of the pipeline's time
+rlt_student() {
   stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"
   if [[ -n $RLT_CONTROL ]]; then
     stage rlt0_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0_student"
   fi
 }
-together opd_anticollapse opd_longer rlt_students
+opd_anticollapse() { stage opd_anticollapse python opd.py --init "$OUT/opd" "${OPD[@]}" --entropy_coef 1e-2 \
+  --kd_temperature 1.3 --output_dir "$OUT/opd_anticollapse"; }
+opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --output_dir "$OUT/opd_longer"; }
+
+# ---- The run. Each unit is a stage or stages in order, after the units it needs (NAME:NEEDS); pipeline.py starts
+#      a unit when what it needs has finished, the longest chain first, up to one unit a core, and gives each
+#      running unit its share of the cores (a unit that ends hands its share on). It runs each as
+#      `run_cpu.sh --unit NAME`, which lands here
+if [[ -n $UNIT ]]; then "$UNIT"; exit; fi
+UNITS=(sft teacher solver_student rlt:sft grpo:sft opd:sft,teacher rloo:sft ipo:sft rlt_student:rlt)
+if [[ -n $ANTICOLLAPSE ]]; then UNITS+=(opd_anticollapse:opd opd_longer:opd); fi
+export PYTHON=$PY CORES
+ARGS=(--out "$OUT" --cores "$CORES" --status_every "${STATUS_EVERY:-30}")
+if [[ -n $SERIAL ]]; then ARGS+=(--serial); fi
+if [[ -n $PLAN ]]; then python pipeline.py "${ARGS[@]}" --plan "${UNITS[@]}"; exit; fi
+base
+echo "== $CORES cores: stages side by side, each with its share; status every ${STATUS_EVERY:-30} s, logs in $OUT/logs"
+python pipeline.py "${ARGS[@]}" --command "bash ./run_cpu.sh ${FLAGS[*]:-} --unit {} $(printf %q "$OUT")" "${UNITS[@]}"
 
 # 4. Paper 000's Tables 1 and 2 for every stage, results.json and the plots
 echo "+ python report.py --run $OUT"

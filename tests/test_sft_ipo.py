@@ -13,6 +13,7 @@ import common as C
 import data as D
 import ipo
 import logprobs as LP
+import loop
 import models as M
 import sft
 import traces as TR
@@ -126,10 +127,12 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
     assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
 
-def test_sft_compile_flag_compiles_the_forward_and_saves_a_plain_checkpoint(tmp_path):
+def test_sft_compile_flag_compiles_the_forward_and_saves_a_plain_checkpoint(tmp_path, monkeypatch):
     """sft.py --compile (run_cpu.sh's sft and teacher stages) trains through the compiled decoder
-    and saves the ordinary checkpoint the next stage loads; the RL scripts refuse the flag."""
+    and saves the ordinary checkpoint the next stage loads; the RL scripts refuse the flag. The
+    CPU is taken for one where it pays (loop.compile_pays), so that it compiles on either kind."""
     from torch._dynamo.utils import counters
+    monkeypatch.setattr(loop, "compile_pays", lambda device: True)
     counters.clear()
     model = sft.main(["--init", "tiny", "--tiny_hidden", "32", "--tiny_layers", "1", *FAST, "--batch_size", "4",
                       "--micro_batch", "2", "--max_steps", "1", "--compile", "--output_dir", str(tmp_path / "c")])

@@ -1,0 +1,148 @@
+"""run_cpu.sh's first run on a student's machine (issue 44): the cores shared among the stages side
+by side (pipeline.py), the console kept moving, a failure reported when it happens, and --compile
+skipped with one line where it does not pay or cannot build."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+import loop
+import pipeline
+from conftest import GEN, ROOT
+
+UNITS = ["sft", "teacher", "solver_student", "rlt:sft", "grpo:sft", "opd:sft,teacher", "rloo:sft",
+         "ipo:sft", "rlt_student:rlt"]  # run_cpu.sh's
+
+
+@pytest.mark.parametrize("cores,n,want", [(1, 1, [1]), (1, 3, [1, 1, 1]), (2, 1, [2]), (2, 2, [1, 1]),
+                                          (8, 3, [3, 3, 2]), (12, 5, [3, 3, 2, 2, 2]), (4, 4, [1] * 4)])
+def test_each_stage_side_by_side_gets_its_share_of_the_cores(cores, n, want):
+    assert pipeline.shares(cores, n) == want
+
+
+def plan(cores, serial=False, env=None):
+    """`./run_cpu.sh --plan` on a machine with `cores` cores (CORES fakes the count): [(unit,
+    threads)] of the stages that start first, and every line."""
+    r = subprocess.run(["bash", "run_cpu.sh", "--plan", "/nonexistent/out"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "CORES": str(cores), "SERIAL": "1" if serial else "",
+                                       **(env or {})})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    first = [(x.split()[1], int(x.split()[4])) for x in lines if x.strip().startswith("0:00 ")]
+    return first, lines
+
+
+def test_more_cores_run_more_stages_at_once_and_serial_gives_one_all():
+    assert plan(1)[0] == [("sft", 1)]
+    assert plan(2)[0] == [("sft", 1), ("teacher", 1)]
+    assert plan(8)[0] == [("sft", 3), ("teacher", 3), ("solver_student", 2)]  # all that is ready
+    first, lines = plan(8, serial=True)
+    assert first == [("sft", 8)] and sum(" starts on 8 threads" in x for x in lines) == len(UNITS)
+    assert not os.path.exists("/nonexistent/out")  # --plan runs nothing
+
+
+def test_a_users_omp_num_threads_is_the_core_count():
+    env = {k: v for k, v in os.environ.items() if k != "CORES"}
+    r = subprocess.run(["bash", "run_cpu.sh", "--plan", "/nonexistent/out"], cwd=ROOT, capture_output=True,
+                       text=True, env={**env, "OMP_NUM_THREADS": "3"})
+    assert r.returncode == 0 and r.stdout.startswith("3 cores"), r.stdout + r.stderr
+
+
+def test_the_plan_puts_the_longest_chain_first():
+    steps, end = pipeline.plan(pipeline.parse_units(UNITS), 2, 2)
+    order = [u for _, u, _ in steps]
+    assert order[:2] == ["sft", "teacher"] and order.index("rlt") < order.index("ipo")
+    # one core: the sum of the costs; two: less than half again as long
+    assert pipeline.plan(pipeline.parse_units(UNITS), 1, 1)[1] == sum(pipeline.COST[u.split(":")[0]]
+                                                                      for u in UNITS)
+    assert end < 0.6 * pipeline.plan(pipeline.parse_units(UNITS), 1, 1)[1]
+
+
+FAKE = r"""
+name=$1; out=$2; mkdir -p "$out/logs"; log=$out/logs/$name.log
+echo "== $name: training (log: $log)"
+echo "threads at start $OMP_NUM_THREADS" >> "$log"
+case $name in
+  short) for i in 1 2 3; do echo "step $i/3" >> "$log"; sleep 0.3; done;;
+  long)  for i in $(seq 1 100); do echo "step $i/100" >> "$log"; sleep 0.1
+           [[ $(cat "$COUNTDOWN_THREADS_FILE") == 2 && -f $out/short.done ]] && break; done
+         echo "threads at end $(cat "$COUNTDOWN_THREADS_FILE")" >> "$log";;
+  broken) echo "ValueError: something the user can read" >> "$log"; exit 3;;
+esac
+touch "$out/$name.done"
+"""
+
+
+def test_the_scheduler_hands_cores_on_reports_a_failure_at_once_and_keeps_the_console_moving(tmp_path):
+    """On 2 cores `long` and `short` start on one thread each; when `short` ends, `broken` takes
+    its slot and fails at once: it is reported with its log's last line while `long` still runs,
+    its core goes to `long` (read from its threads file), and `after:broken` never runs. The
+    status lines name each running stage and its step."""
+    (tmp_path / "fake.sh").write_text(FAKE)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "pipeline.py", "--out", str(tmp_path), "--cores", "2",
+                        "--status_every", "0.5", "--command", f"bash {tmp_path}/fake.sh {{}} {tmp_path}",
+                        "long", "short", "broken", "after:broken"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    out = r.stdout
+    assert r.returncode == 1 and time.time() - t0 < 30, out + r.stderr
+    assert "threads at start 1" in (tmp_path / "logs" / "long.log").read_text()
+    assert "threads at end 2" in (tmp_path / "logs" / "long.log").read_text()  # short's core
+    assert "error: broken failed (exit 3)" in out and "ValueError: something the user can read" in out
+    assert out.index("error: broken failed") < out.index("== long: done")  # reported when it fails
+    assert "not run: after" in out and not (tmp_path / "after.done").exists()
+    status = [x for x in out.splitlines() if x.startswith("-- ")]
+    assert status and any("long " in x and "/100 (" in x for x in status)
+
+
+def test_a_training_loop_follows_its_thread_file(tmp_path, monkeypatch):
+    before = torch.get_num_threads()
+    path = tmp_path / "threads"
+    path.write_text("1")
+    monkeypatch.setenv("COUNTDOWN_THREADS_FILE", str(path))
+    try:
+        common.follow_threads()
+        assert torch.get_num_threads() == 1
+        path.write_text("2")
+        common.follow_threads()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def sft_compile(tmp_path, env):
+    r = subprocess.run([sys.executable, "sft.py", "--init", "tiny", "--tiny_hidden", "32", "--tiny_layers", "1",
+                        "--data", GEN, "--eval_data", GEN, "--eval_problems", "2", "--eval_samples", "1",
+                        "--eval_max_new_tokens", "8", "--batch_size", "2", "--micro_batch", "2", "--max_steps", "2",
+                        "--compile", "--output_dir", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True,
+                       env={**{k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"},
+                            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), **env})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_sft_compile_runs_eager_with_one_line_without_a_cpp_compiler(tmp_path):
+    """run_cpu.sh's SFT stage on a machine with no C++ compiler (a bare Ubuntu/WSL; macOS without
+    libomp): one line, then eager steps, not inductor's InvalidCxxCompiler traceback."""
+    out = sft_compile(tmp_path, {"CXX": "/nonexistent/g++"})
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert "--compile: skipped, no working C++ compiler" in out, out
+    else:  # a CPU where the compile is skipped before the compiler is looked for
+        assert "--compile: skipped on this" in out, out
+    assert "step 2/2" in out
+
+
+def test_sft_compile_is_skipped_where_it_was_measured_slower(tmp_path):
+    out = sft_compile(tmp_path, {"ATEN_CPU_CAPABILITY": "avx2"})
+    assert "--compile: skipped on this AVX2 CPU" in out and "step 2/2" in out
+
+
+def test_compile_pays_on_avx512_with_a_compiler(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert loop.compile_pays("cpu") and loop.compile_pays("cuda")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not loop.compile_pays("cpu")
