@@ -132,6 +132,29 @@ def test_same_seed_same_tokens_twice():
     assert a.completion_ids != c.completion_ids
 
 
+@pytest.mark.parametrize("L", [16, 2])
+def test_the_graph_loop_is_the_static_loop_with_replays(monkeypatch, L):
+    """decode="graph" with its CUDA part stood in for (the capture needs a GPU): _graphed runs the
+    step once, the warm-up, and returns a replay that runs it again. The tokens and log-probs are
+    the static loop's: the warm-up step counts as a token, no step is skipped or run twice, and a
+    batch with nothing left to replay (L = 2) captures nothing.
+    Broken on purpose: the loop replaying right after the capture too, this test failed."""
+    model, tok = tiny(eos_logit=2.0)
+    ref = static(model, tok).generate(PROMPTS, 3, 1.0, max_new_tokens=L, seed=4)
+    captures = []
+
+    def graphed(step, gen):
+        captures.append(gen)
+        step()
+        return step
+    monkeypatch.setattr(S, "_graphed", graphed)
+    monkeypatch.setattr(S.HFSampler, "decode_mode", lambda self: "graph")
+    ro = S.HFSampler(model, tok).generate(PROMPTS, 3, 1.0, max_new_tokens=L, seed=4)
+    assert len(captures) == (L > 2)  # one batch: one capture, with the sampling generator
+    assert ro.completion_ids == ref.completion_ids and ro.logprobs == ref.logprobs
+    assert max(map(len, ro.completion_ids)) == L
+
+
 @pytest.mark.parametrize("temperature,eos_logit,batch_size", [(0.7, 2.0, 8), (1.5, 4.0, 1024)])
 def test_static_logprobs_match_the_trainers_forward(temperature, eos_logit, batch_size):
     """Log-probs of softmax(logits / T) of the sampled tokens equal token_stats(temperature=T) on
