@@ -6,6 +6,9 @@ peak memory of each phase beside benchmarks/memory.py's estimate, and tokens/s.
                                             # starts after --budget_s 300 s, none runs past
                                             # --deadline_s 420 s
     bash benchmarks/gpu_smoke.sh --tiny     # the same path on a CPU in ~10 s (the fast suite)
+    bash benchmarks/gpu_smoke.sh --stages sampler --budget_s 200 --deadline_s 300
+                                            # the HF sampler's decode loops alone: ~2-3 min on
+                                            # an H100 (guessed), 5 at most
 
 Stages, in order: sft, evaluate, opd (a random Qwen2.5-7B-shaped teacher in bf16, built in this
 process; a 0.5B-shaped one when less than 60 s of the budget is left), grpo, rloo, sft_lora
@@ -24,6 +27,18 @@ card), per step sample_tokens_per_s (rows x response / time/sample), update_toke
 response) x rows / time/update), sampler_gap and resp_len, and eval_tokens_per_s. A stage that
 fails (an OOM too) writes its error and where, and the next one runs. No checkpoints or resumable
 states are written (the CPU suite tests them; a 0.5B state is 6 GB of disk).
+The sampler stage (not in the default list; `--stages sampler`) runs no script: HFSampler's three
+decode loops (sampler.py: dynamic, the loop a CPU uses; static; graph, the static step replayed as
+a CUDA graph) on the random 0.5B policy in fp32 (bf16 autocast inside the sampler), 8 rollouts a
+prompt, at --sampler_rows 128 and 512: dynamic and static for --sampler_tokens 256 new tokens (a
+launch-bound step's time hardly depends on the length, and docs/gpu.md measured the dynamic loop
+at ~36 ms a step at 512 rows), the graph for 256 and for the walkthrough's 1,024. A line per run
+(sampler/run: wall_s, prefill_s, capture_s with the graph's eager warm-up step, tokens_per_s of
+the whole call, decode_tokens_per_s and step_ms of the steps outside prefill and capture, peak
+memory), the graph's tokens and log-probs against the static loop's for the same seed
+(sampler/check), then at 128 rows the kernel launches, graph launches, GPU kernels and aten ops per
+decode step from torch.profiler, and each loop's sampler gap on 8 rows. A run that fails writes
+its error; the next one runs.
 """
 import argparse
 import contextlib
@@ -56,7 +71,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=512)
 TINY_TEACHER = dict(TINY, hidden_size=96, intermediate_size=192, vocab_size=640)
 STEPS = {"sft": "1", "ipo": "2", "rloo": "3", "grpo": "4", "opd": "6", "sft_lora": "5", "rlt": "8b",
-         "evaluate": "10"}
+         "evaluate": "10", "sampler": None}  # sampler: --backend hf's decode loops, no script
 GB = 1e9
 
 
@@ -355,6 +370,226 @@ def measured(name, rows, words, phases, P, L):
     return out
 
 
+# ---- the sampler stage: the HF sampler's three decode loops side by side -------------------------
+# the CUDA runtime and driver calls that launch one kernel (torch.profiler names them so)
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+GROUP = 8  # rollouts a prompt in the sampler stage: 128 rows are 16 prompts, as an RL step's
+
+
+def sampler_timed(model, tok, prompts, decode, new, seed=0):
+    """One HFSampler(decode=...).generate of `prompts` x GROUP rows, `new` tokens each: the
+    Rollouts and its times, the decode loop's own cut out of the call by marks on sampler.py's
+    helpers (synchronized: the GPU's work, not its queue): the prefill, _graphed's warm-up step
+    and capture, the loop from the prefill's end to _trim."""
+    import sampler as S
+    cuda = torch.cuda.is_available()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+    marks = {"capture_s": 0.0, "captures": 0, "prefill_s": 0.0, "loop_s": 0.0, "batches": 0}
+    saved = S._prefill, S._graphed, S._trim
+
+    def prefill(*a, **kw):
+        t = time.time()
+        out = saved[0](*a, **kw)
+        sync()
+        marks["prefill_end"] = time.time()
+        marks["prefill_s"] += marks["prefill_end"] - t
+        marks["batches"] += 1
+        return out
+
+    def graphed(*a, **kw):
+        t = time.time()
+        out = saved[1](*a, **kw)
+        sync()
+        marks["capture_s"] += time.time() - t
+        marks["captures"] += 1
+        return out
+
+    def trim(*a, **kw):  # the decode loop ends
+        sync()
+        marks["loop_s"] += time.time() - marks["prefill_end"]
+        return saved[2](*a, **kw)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.time()
+    try:
+        S._prefill, S._graphed, S._trim = prefill, graphed, trim
+        ro = S.HFSampler(model, tok, decode=decode).generate(prompts, GROUP, 1.0,
+                                                             max_new_tokens=new, seed=seed)
+    finally:
+        S._prefill, S._graphed, S._trim = saved
+    sync()
+    wall = time.time() - t0
+    picks = max(map(len, ro.completion_ids))  # steps the batch ran (every row draws each step)
+    # forwards outside the capture: the first token comes from the prefill, and _graphed's
+    # warm-up step is in capture_s
+    steps = picks - 1 - marks["captures"]
+    decode_s = marks["loop_s"] - marks["capture_s"]
+    rows = len(ro.completion_ids)
+    one = marks["batches"] == 1  # the per-step numbers assume one batch (the KV budget fits it)
+    out = dict(rows=rows, decode=decode, new_tokens=new, batches=marks["batches"], wall_s=wall,
+               prefill_s=marks["prefill_s"], capture_s=marks["capture_s"],
+               tokens_per_s=round(sum(map(len, ro.completion_ids)) / wall),
+               decode_steps=steps, step_ms=1000 * decode_s / steps if steps and one else None,
+               decode_tokens_per_s=round(rows * steps / decode_s) if steps and one else None,
+               finished=sum(ro.finished))
+    if cuda:
+        out.update(peak_allocated_gb=torch.cuda.max_memory_allocated() / GB,
+                   peak_reserved_gb=torch.cuda.max_memory_reserved() / GB)
+    return ro, out
+
+
+def launches_per_step(model, tok, prompts, decode, short=3, long=7):
+    """Per decode step, from torch.profiler over two generate calls of `short` and `long` new
+    tokens (the difference: prefill and capture cancel out): kernel launch calls, CUDA graph
+    launches, kernels the GPU ran, and aten ops (the CPU's count; on a GPU a graph replay runs
+    none)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import sampler as S
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    counts = []
+    for new in (short, long):
+        with profile(activities=acts) as prof:
+            S.HFSampler(model, tok, decode=decode).generate(prompts, GROUP, 1.0,
+                                                            max_new_tokens=new, seed=0)
+        by, gpu = Counter(), 0
+        for e in prof.key_averages():
+            by[e.key] += e.count
+            gpu += e.count if str(getattr(e, "device_type", "")).endswith("CUDA") else 0
+        counts.append({"kernel_launches": sum(by[k] for k in LAUNCHES),
+                       "graph_launches": by["cudaGraphLaunch"], "gpu_kernels": gpu,
+                       "aten_ops": sum(v for k, v in by.items() if k.startswith("aten::"))})
+    return {k: round((counts[1][k] - counts[0][k]) / (long - short), 1) for k in counts[0]}
+
+
+def compare(a, b):
+    """Two Rollouts of the same prompts and seed: do their tokens agree, and how far apart are the
+    log-probs of the tokens they share (each row's prefix up to its first difference)."""
+    differ, first, diffs = 0, None, []
+    for x, y, lx, ly in zip(a.completion_ids, b.completion_ids, a.logprobs, b.logprobs):
+        same = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        if x != y:
+            differ += 1
+            first = same if first is None else min(first, same)
+        diffs += [abs(u - v) for u, v in zip(lx[:same], ly[:same])]
+    return {"tokens_identical": differ == 0 and len(a.completion_ids) == len(b.completion_ids),
+            "rows_differing": differ, "first_differing_token": first,
+            "logprob_max_abs_diff": max(diffs, default=0.0),
+            "logprob_mean_abs_diff": sum(diffs) / max(len(diffs), 1)}
+
+
+def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_start, budget_s,
+                  emit):
+    """The HF sampler's decode loops on the random policy (fp32 masters, as an RL script holds
+    them; each loop decodes under its own bf16 autocast): per row count, the dynamic and static
+    loops for `eager_new` tokens (launch-bound, a step's time hardly depends on the length: fewer
+    tokens time it), the graph for `eager_new` (its tokens and log-probs against the static
+    loop's, the same seed) and for `new`. Then, at the first row count, launches per step and
+    each loop's sampler gap (mean |sampler - trainer| log-prob, 8 rows, the trainer's autocast).
+    A line per run (stage sampler/run) and per check (sampler/check) as each ends; a run that
+    fails writes its error and the next one runs; none starts after `budget_s`. Returns the
+    stage's summary."""
+    import sampler as S
+    from common import autocast
+    from data import make_prompt
+    with open(tasks_path) as f:
+        tasks = [json.loads(x) for x in f]
+    prompts = [make_prompt(t["nums"], t["target"], "base") for t in tasks]
+    model = random_model(cfg, device, torch.float32).eval()
+    cuda = device == "cuda"
+    summary = {"rates": {}, "checks": {}, "errors": [], "skipped": [],
+               "note": f"{GROUP} rows a prompt; dynamic and static time {eager_new} new tokens, "
+                       f"the graph {eager_new} and {new}"}
+
+    def attempt(what, fn, stage="sampler/check", **context):
+        """fn() unless past the budget; an error is noted (a line of `stage` with `context`), and
+        the stage goes on (not past the deadline: Deadline ends it)."""
+        if time.time() - t_start > budget_s:
+            summary["skipped"].append(what)
+            return None
+        try:
+            return fn()
+        except Deadline:
+            raise
+        except Exception as e:  # an OOM too: note it, free what it held, go on
+            summary["errors"].append(f"{what}: {type(e).__name__}: {e}"[:500])
+            emit({"stage": stage, **context, "what": what, "ok": False,
+                  "error": f"{type(e).__name__}: {e}"[:2000],
+                  "where": [x.strip() for x in traceback.format_exc().splitlines()
+                            if x.strip().startswith("File ")][-3:]})
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            return None
+    decodes = ["dynamic", "static"] + (["graph"] if cuda else [])
+    if not cuda:
+        why = "CUDA only: the static loop is its eager twin (tests/test_sampler_static.py)"
+        emit({"stage": "sampler/run", "decode": "graph", "ok": None, "skipped": why})
+        summary["note"] += f"; graph skipped, {why}"
+    # a first call of each loop, untimed: CUDA's lazy loading and cuBLAS's set-up go here
+    for d in decodes:
+        attempt(f"warm-up {d}", lambda: S.HFSampler(model, tok, decode=d).generate(
+            prompts[:1], 2, 1.0, max_new_tokens=4, seed=0))
+    for k, rows in enumerate(rows_list):
+        if rows % GROUP or rows // GROUP > len(prompts):
+            summary["errors"].append(f"rows {rows}: not a multiple of {GROUP} up to "
+                                     f"{GROUP * len(prompts)}")
+            continue
+        batch, ros = prompts[:rows // GROUP], {}
+        plan = [(d, eager_new) for d in decodes] + ([("graph", new)] if cuda and new != eager_new
+                                                    else [])
+        for d, n_new in plan:
+            def run(d=d, n_new=n_new):
+                ro, line = sampler_timed(model, tok, batch, d, n_new)
+                emit({"stage": "sampler/run", "ok": True, **line})
+                return ro, line
+            got = attempt(f"{rows} rows {d} {n_new} tokens", run, "sampler/run", rows=rows,
+                          decode=d, new_tokens=n_new)
+            if got:
+                ros[d, n_new] = got[0]
+                summary["rates"][f"{rows}/{d}/{n_new}"] = {
+                    k: got[1][k] for k in ("tokens_per_s", "decode_tokens_per_s", "step_ms")}
+        if ("graph", eager_new) in ros and ("static", eager_new) in ros:
+            check = attempt(f"{rows} rows check", lambda: compare(ros["graph", eager_new],
+                                                                 ros["static", eager_new]))
+            if check:
+                emit({"stage": "sampler/check", "rows": rows, "new_tokens": eager_new,
+                      "what": "graph against static, seed 0", **check})
+                summary["checks"][f"{rows}/graph_vs_static"] = check
+        if k > 0:
+            continue
+        # at the first row count only: neither depends on the rows
+        for d in decodes:
+            per_step = attempt(f"launches {d}", lambda d=d: launches_per_step(model, tok, batch, d))
+            if per_step:
+                emit({"stage": "sampler/check", "decode": d, "what": "per decode step", **per_step})
+                summary["checks"][f"launches/{d}"] = per_step
+            if (d, eager_new) not in ros:
+                continue
+            ro = ros[d, eager_new]
+            part = S.Rollouts(ro.prompt_ids[:1], *(x[:GROUP] for x in (
+                ro.completion_ids, ro.logprobs, ro.texts, ro.finished)))
+
+            def gap(part=part):
+                with autocast(device):
+                    return S.logprob_gap(model, tok, part, 1.0)
+            g = attempt(f"sampler gap {d}", gap)
+            if g is not None:
+                emit({"stage": "sampler/check", "decode": d, "what": "sampler gap, 8 rows",
+                      "sampler_gap": g})
+                summary["checks"][f"sampler_gap/{d}"] = g
+    del model
+    return summary
+
+
 # ---- the plan ------------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
@@ -374,8 +609,16 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="steps of each training stage")
     p.add_argument("--rows", type=int, default=0,
                    help="rollouts a step (RL): prompts = rows / G (default 128; --tiny 16)")
+    p.add_argument("--sampler_rows", default="",
+                   help="the sampler stage's row counts (default 128,512; --tiny 16,32)")
+    p.add_argument("--sampler_tokens", type=int, default=0,
+                   help="new tokens the sampler stage's dynamic and static loops time (default "
+                        "256; --tiny 8); the graph also decodes the full 1,024")
     args = p.parse_args(argv)
     args.rows = args.rows or (16 if args.tiny else 128)
+    args.sampler_rows = [int(x) for x in (args.sampler_rows or
+                                          ("16,32" if args.tiny else "128,512")).split(",")]
+    args.sampler_tokens = args.sampler_tokens or (8 if args.tiny else 256)
     if args.tiny:  # fp32 on a CPU: this lane checks the plumbing, the suite's own runs check bf16
         os.environ.setdefault("COUNTDOWN_CPU_BF16", "0")
         # one thread: on tensors this small a second one only adds barrier waits (measured: a
@@ -402,8 +645,9 @@ def main(argv=None):
     card = torch.cuda.get_device_properties(0).total_memory if cuda else memory.CARD
     log = open(out_path, "w")
 
-    def emit(row):
-        row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+    def emit(row):  # floats to 3 decimals, or 3 digits below 1 (a log-prob gap of 4e-3, 2e-7)
+        row = {k: (round(v, 3) if abs(v) >= 1 else float(f"{v:.3g}")) if isinstance(v, float)
+               else v for k, v in row.items()}
         log.write(json.dumps(row) + "\n")
         log.flush()
         brief = {k: v for k, v in row.items() if k != "argv"}
@@ -454,22 +698,30 @@ def main(argv=None):
         phases, teacher = Phases(), None
         signal.alarm(max(1, int(args.deadline_s - elapsed)))
         try:
-            flags, note = stage_flags(name, walk[STEPS[name]], work, common, args.tiny, eval_new,
-                                      n_sft)
-            if name == "opd":  # a random 7B-shaped teacher if there is time, else a 0.5B one
-                big = cuda and time.time() - t_start < args.budget_s - 60
-                teacher, note = build_teacher(tok, teacher_dir, device, big, args.tiny)
-                flags["teacher"] = teacher_dir
-            words = with_flags(walk[STEPS[name]], **flags)
-            row.update(argv=words[1:], note=note)
-            try:
-                row["estimate_gb"] = estimate_gb(words, P, card)
-            except Exception as e:  # the measurement matters more than the arithmetic
-                row["estimate_gb"] = f"error: {type(e).__name__}: {e}"
-            phases.reset()
-            wall, rows = run_stage(words, phases, teacher)
-            row.update(ok=True, wall_s=wall, **measured(name, rows, words, phases, P, L))
-            done.append(name)
+            if name == "sampler":  # no script: the sampler's loops, timed side by side
+                t_stage = time.time()
+                row.update(sampler_stage(tok, cfg, device, tasks, args.sampler_rows, L,
+                                         min(args.sampler_tokens, L), t_start, args.budget_s,
+                                         emit))
+                row.update(ok=not row["errors"], wall_s=time.time() - t_stage)
+                (done if row["ok"] else failed).append(name)
+            else:
+                flags, note = stage_flags(name, walk[STEPS[name]], work, common, args.tiny,
+                                          eval_new, n_sft)
+                if name == "opd":  # a random 7B-shaped teacher if there is time, else a 0.5B one
+                    big = cuda and time.time() - t_start < args.budget_s - 60
+                    teacher, note = build_teacher(tok, teacher_dir, device, big, args.tiny)
+                    flags["teacher"] = teacher_dir
+                words = with_flags(walk[STEPS[name]], **flags)
+                row.update(argv=words[1:], note=note)
+                try:
+                    row["estimate_gb"] = estimate_gb(words, P, card)
+                except Exception as e:  # the measurement matters more than the arithmetic
+                    row["estimate_gb"] = f"error: {type(e).__name__}: {e}"
+                phases.reset()
+                wall, rows = run_stage(words, phases, teacher)
+                row.update(ok=True, wall_s=wall, **measured(name, rows, words, phases, P, L))
+                done.append(name)
         except BaseException as e:  # an OOM or a one-line CountdownError alike: note it, go on
             if isinstance(e, KeyboardInterrupt):
                 raise

@@ -4,7 +4,10 @@
 # $OUT/gpu_smoke.jsonl (else out/gpu_smoke/), a copy of each on the console.
 #   bash benchmarks/gpu_smoke.sh                 # one GPU: ~4-5 min on an H100, 7.5 at most
 #   bash benchmarks/gpu_smoke.sh --tiny          # a CPU, ~10 s (tests/test_gpu_smoke.py)
-# Extra flags go to the driver (--stages, --steps, --rows, --budget_s, --deadline_s, --work);
+#   bash benchmarks/gpu_smoke.sh --stages sampler --budget_s 200 --deadline_s 300
+#                                                # the HF sampler's decode loops side by side
+# Extra flags go to the driver (--stages, --steps, --rows, --sampler_rows, --sampler_tokens,
+# --budget_s, --deadline_s, --work);
 # $PYTHON picks the interpreter (default: python on the PATH, as a GPU image brings its torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
