@@ -492,8 +492,9 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
     them; each loop decodes under its own bf16 autocast): per row count, the dynamic and static
     loops for `eager_new` tokens (launch-bound, a step's time hardly depends on the length: fewer
     tokens time it), the graph for `eager_new` (its tokens and log-probs against the static
-    loop's, the same seed) and for `new`. Then, at the first row count, launches per step and
-    each loop's sampler gap (mean |sampler - trainer| log-prob, 8 rows, the trainer's autocast).
+    loop's, the same seed) and for `new`; at the first row count each loop's sampler gap (mean
+    |sampler - trainer| log-prob, 8 rows, the trainer's autocast); at the end, at the first row
+    count, launches per decode step.
     A line per run (stage sampler/run) and per check (sampler/check) as each ends; a run that
     fails writes its error and the next one runs; none starts after `budget_s`. Returns the
     stage's summary."""
@@ -538,7 +539,8 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
     for d in decodes:
         attempt(f"warm-up {d}", lambda: S.HFSampler(model, tok, decode=d).generate(
             prompts[:1], 2, 1.0, max_new_tokens=4, seed=0))
-    for k, rows in enumerate(rows_list):
+    first = None  # the prompts of the first row count
+    for rows in rows_list:
         if rows % GROUP or rows // GROUP > len(prompts):
             summary["errors"].append(f"rows {rows}: not a multiple of {GROUP} up to "
                                      f"{GROUP * len(prompts)}")
@@ -564,14 +566,10 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
                 emit({"stage": "sampler/check", "rows": rows, "new_tokens": eager_new,
                       "what": "graph against static, seed 0", **check})
                 summary["checks"][f"{rows}/graph_vs_static"] = check
-        if k > 0:
+        if first is not None:
             continue
-        # at the first row count only: neither depends on the rows
-        for d in decodes:
-            per_step = attempt(f"launches {d}", lambda d=d: launches_per_step(model, tok, batch, d))
-            if per_step:
-                emit({"stage": "sampler/check", "decode": d, "what": "per decode step", **per_step})
-                summary["checks"][f"launches/{d}"] = per_step
+        first = batch
+        for d in decodes:  # at the first row count: the trainer's log-probs of 8 of its rows
             if (d, eager_new) not in ros:
                 continue
             ro = ros[d, eager_new]
@@ -581,11 +579,19 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
             def gap(part=part):
                 with autocast(device):
                     return S.logprob_gap(model, tok, part, 1.0)
-            g = attempt(f"sampler gap {d}", gap)
+            g = attempt(f"sampler gap {d}", gap, decode=d)
             if g is not None:
                 emit({"stage": "sampler/check", "decode": d, "what": "sampler gap, 8 rows",
                       "sampler_gap": g})
                 summary["checks"][f"sampler_gap/{d}"] = g
+    # launches last (they hardly depend on the rows): a graph captured under the profiler is the
+    # likeliest part to fail, and then nothing else waits behind it
+    for d in decodes if first else []:
+        per_step = attempt(f"launches {d}", lambda d=d: launches_per_step(model, tok, first, d),
+                           decode=d)
+        if per_step:
+            emit({"stage": "sampler/check", "decode": d, "what": "per decode step", **per_step})
+            summary["checks"][f"launches/{d}"] = per_step
     del model
     return summary
 
