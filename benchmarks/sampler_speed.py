@@ -65,6 +65,9 @@ class OldHFSampler(HFSampler):
     """HFSampler with its decode loop before the rewrite, verbatim: the reference for speed here
     and for the distribution in tests/test_sampler.py."""
 
+    def decode_mode(self):  # its own _batch on any device (a GPU's default is the graph's loop)
+        return "dynamic"
+
     def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p, bottom_p_freq):
         eos, dev = self.tok.eos_token_id, self.model.device
         P = max(map(len, rows))
