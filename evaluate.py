@@ -18,6 +18,7 @@ from fractions import Fraction
 from math import comb
 
 import torch
+from tqdm import tqdm
 
 from common import arg, autocast, cli, device_and_dtype, parse_args, seed_everything
 from data import load_tasks, make_prompt, read_jsonl, write_jsonl
@@ -149,12 +150,17 @@ def summarize(records):
 
 
 def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.95, top_k=20,
-             max_new_tokens=1024, template="base", seed=0, sampler=None):
+             max_new_tokens=1024, template="base", seed=0, sampler=None, progress=False):
     """Sample, score and summarize; the trainers call this for their periodic held-out evaluation.
-    Returns (summary, records)."""
+    Returns (summary, records). `progress`: a bar of the samples drawn (the CLI's)."""
     sampler = sampler or HFSampler(model, tokenizer)
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
-    ro = sampler.generate(prompts, num_samples, temperature, top_p, top_k, max_new_tokens, seed)
+    bar = tqdm(total=len(prompts) * num_samples, desc="sampling", unit="sample",
+               leave=False) if progress else None
+    ro = sampler.generate(prompts, num_samples, temperature, top_p, top_k, max_new_tokens, seed,
+                          **({"progress": bar.update} if bar else {}))
+    if bar:
+        bar.close()
     records = []
     for i, t in enumerate(tasks):
         texts = ro.texts[i * num_samples:(i + 1) * num_samples]
@@ -218,7 +224,7 @@ def main():
                            batch_size=args.batch_size)
     summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature,
                                 args.top_p, args.top_k, args.max_new_tokens, args.template,
-                                args.seed, sampler)
+                                args.seed, sampler, progress=True)
     if args.test_time:
         summary["verification_live"] = verify_live(sampler, tasks, args.num_samples,
                                                    args.temperature, args.top_p, args.top_k,

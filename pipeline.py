@@ -135,19 +135,18 @@ class Unit:
             say(line.rstrip("\n"))
 
     def status(self, out):
-        """'rloo 23/50 (1t)': the stage, its last logged step (from OUT/logs/STAGE.log), threads."""
+        """'rloo 23/50 (1t)' or 'sft eval 40% (2t)': the stage, its last logged step or its
+        evaluation's progress bar (from OUT/logs/STAGE.log), its threads."""
         name, _, evaluating = self.stage.partition(" ")
-        step = ""
-        if not evaluating:
-            path = os.path.join(out, "logs", name + ".log")
-            try:
-                with open(path, "rb") as f:
-                    f.seek(max(0, os.path.getsize(path) - 20_000))  # the tail is enough
-                    steps = re.findall(rb"step (\d+/\d+)", f.read())
-                step = f" {steps[-1].decode()}" if steps else ""
-            except OSError:
-                pass
-        return f"{self.stage}{step} ({self.threads}t)"
+        path, where = os.path.join(out, "logs", name + ".log"), []
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 20_000))  # the tail is enough
+                where = re.findall(rb"sampling: +(\d+%)" if evaluating else rb"step (\d+/\d+)",
+                                   f.read())
+        except OSError:
+            pass
+        return f"{self.stage}{' ' + where[-1].decode() if where else ''} ({self.threads}t)"
 
 
 def run(units, cores, max_running, cmd, out, status_every):

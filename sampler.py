@@ -137,9 +137,10 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
-                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True):
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
         """`bottom_p` < 1: paper 002's bottom-p on each token with probability `bottom_p_freq`.
-        `seed_requests` is vLLM's; here one generator, seeded by `seed`, serves the call."""
+        `seed_requests` is vLLM's; here one generator, seeded by `seed`, serves the call.
+        `progress(rows)` is called after each batch (evaluate.py's progress bar)."""
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
         gen = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -158,6 +159,8 @@ class HFSampler:
                                     batch(rows[s:s + size], temperature, top_p, top_k,
                                           max_new_tokens, gen, bottom_p, bottom_p_freq)):
                     acc += new
+                if progress:
+                    progress(len(rows[s:s + size]))
         self.model.train(was_training)
         texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id]
                                        for ids in out_ids])
@@ -583,7 +586,8 @@ class VLLMSampler:
             self.weights_asleep = False
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
-                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True):
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
+        """As HFSampler's; with `progress`, vLLM's own progress bar instead."""
         from vllm import SamplingParams
         if bottom_p < 1.0:
             raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
@@ -595,7 +599,7 @@ class VLLMSampler:
                                  seed=seed + i * n if seed_requests else None, logprobs=0)
                   for i in range(len(prompts))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                                 use_tqdm=False)
+                                 use_tqdm=progress is not None)
         comps = [c for o in outs for c in o.outputs]
         # EOS included when the sample stopped on it, as HFSampler's
         ids = [list(c.token_ids) for c in comps]

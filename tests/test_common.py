@@ -411,7 +411,7 @@ def test_the_shipped_base_is_run_cpu_sh_base_stage_output():
     base = os.path.join(ROOT, "pretrained", "tiny-base")
     args = json.load(open(os.path.join(base, "args.json")))
     script = open(os.path.join(ROOT, "run_cpu.sh")).read()
-    command = script[script.index("stage base python sft.py"):].split("\nelif")[0]
+    command = script[script.index("stage base python sft.py"):].split("elif")[0]
     flags = dict(re.findall(r"--(\w+) ([\w.-]+)", command))
     assert args["init"] == "tiny" and args["data"].startswith("arith:") and len(flags) >= 7
     assert all(float(args[k]) == float(v) for k, v in flags.items() if k not in ("init", "output_dir")), flags

@@ -71,10 +71,13 @@ def test_gpu_smoke_tiny_sampler_stage(tmp_path):
     assert lines[-1]["stage"] == "summary" and lines[-1]["ok"] is True and r.returncode == 0
 
 
-def test_sampler_stage_compares_tokens_and_logprobs():
+def test_sampler_stage_compares_tokens_and_logprobs(monkeypatch):
     """The graph-against-static check: rows whose tokens differ, the first token where any does,
     and log-prob differences over each row's shared prefix only."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    # gpu_smoke sets HF_HUB_OFFLINE=1 on import: restored after this test, so that the hub's
+    # one-line errors later in the suite still see the network missing (test_robustness.py)
+    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
     from gpu_smoke import compare
 
     from sampler import Rollouts
