@@ -3,6 +3,7 @@ the data order, the optimizer step with its finite check, the periodic evaluatio
 resumable state, and the log; `StepStats` adds up a step's metrics over its micro-batches;
 `rollout_metrics` are paper 001's flatline diagnostics of an RL batch. Nothing here knows an
 algorithm."""
+import os
 import random
 import time
 import warnings
@@ -55,6 +56,9 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
             raise CountdownError(f"--lora_targets {lora_targets}: {e}") from None
     if compile and compile_pays(device):  # dynamic: each micro-batch has its own length; the
         model.get_decoder().compile(dynamic=True)  # first call compiles
+        # and compiles again for another thread count: the sft stage stalled ~60 s when a stage
+        # beside it ended and handed it a second thread, then ran no faster. Keep the threads
+        os.environ.pop("COUNTDOWN_THREADS_FILE", None)  # it started with (common.follow_threads)
     return model, tok, device
 
 

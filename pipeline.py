@@ -221,7 +221,12 @@ def main(argv=None):
             print(f"  {clock(t):>6}  {u} starts on {n} thread{'s' * (n > 1)}")
         print(f"  {clock(end):>6}  all done")
         return 0
-    return run(units, args.cores, max_running, args.command, args.out, args.status_every)
+    try:
+        return run(units, args.cores, max_running, args.command, args.out, args.status_every)
+    except KeyboardInterrupt:  # Ctrl-C reached every stage too (one process group)
+        say("interrupted: finished stages are kept, a stage killed halfway resumes from its last "
+            "state; run the same command again")
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,6 +10,18 @@ from checkpoints import save_checkpoint
 
 # scripts run as subprocesses from here
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n auto` in pyproject's addopts: one worker a core) each worker, and
+    every script it starts, gets its share of the cores, not all of them each."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        n = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(n)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS",
+                    "TORCHINDUCTOR_COMPILE_THREADS"):
+            os.environ[var] = str(n)
 # 20 test + 8 val problems: every script's --data in the tests
 GEN = "gen:nums=3,range=1-9,test=20,val=8"
 
