@@ -56,9 +56,10 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
             raise CountdownError(f"--lora_targets {lora_targets}: {e}") from None
     if compile and compile_pays(device):  # dynamic: each micro-batch has its own length; the
         model.get_decoder().compile(dynamic=True)  # first call compiles
-        # and compiles again for another thread count: the sft stage stalled ~60 s when a stage
-        # beside it ended and handed it a second thread, then ran no faster. Keep the threads
-        os.environ.pop("COUNTDOWN_THREADS_FILE", None)  # it started with (common.follow_threads)
+        # and compiles again for another thread count: handed a second thread with 74 steps
+        # left, the fp32 sft stage stalled 82 s recompiling, then stepped in 0.53 s, not 0.81:
+        # a loss unless ~300 steps are left. It keeps the threads it started with
+        os.environ.pop("COUNTDOWN_THREADS_FILE", None)  # (common.follow_threads)
     return model, tok, device
 
 
