@@ -198,8 +198,11 @@ def follow_threads():
     beside it ends, its cores go to the ones still running. Called at the start and once a training
     step; nothing without $COUNTDOWN_THREADS_FILE (torch then keeps OMP_NUM_THREADS or its own)."""
     path = os.environ.get("COUNTDOWN_THREADS_FILE")
+    if not path:
+        return
     try:
-        n = int(open(path).read()) if path else 0
+        with open(path) as f:
+            n = int(f.read())
     except (OSError, ValueError):  # not written yet
         return
     if n > 0 and n != torch.get_num_threads():
