@@ -191,24 +191,27 @@ def test_a_gpu_decode_preallocates_every_slot_and_samples_the_same(monkeypatch):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
 
 
-def test_a_gpu_decodes_under_bf16_autocast(monkeypatch):
+@pytest.mark.parametrize("decode,cache,attr", [("dynamic", "_KVCache", "new"),
+                                               ("static", "_StaticStep", "cache")])
+def test_a_gpu_decodes_under_bf16_autocast(decode, cache, attr, monkeypatch):
     """Rollouts run outside the trainer's autocast: on a GPU the sampler brings its own (a bf16
     cache, the trainer's precision; fp32 doubled both). On a CPU nothing changes. The bf16 path
-    itself, forced on this CPU: a bf16 cache, log-probs near the fp32 trainer's."""
+    itself, forced on this CPU, in both loops (the static one is what a GPU's graph replays): a
+    bf16 cache, log-probs near the fp32 trainer's."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no CUDA here: torch disables it, and says so
         ctx = S._decode_precision(torch.device("cuda"))
     assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16
     assert not isinstance(S._decode_precision(torch.device("cpu")), torch.autocast)
     model, tok = tiny(eos_logit=2.0)
-    dtypes, init = [], S._KVCache.__init__
+    dtypes, init = [], getattr(S, cache).__init__
 
     def spy(self, *args):
         init(self, *args)
-        dtypes.append(self.new.dtype)
-    monkeypatch.setattr(S._KVCache, "__init__", spy)
+        dtypes.append(getattr(self, attr).dtype)
+    monkeypatch.setattr(getattr(S, cache), "__init__", spy)
     monkeypatch.setattr(S, "_decode_precision", lambda dev: torch.autocast("cpu", torch.bfloat16))
-    ro = S.HFSampler(model, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=16, seed=0)
+    ro = S.HFSampler(model, tok, decode=decode).generate(PROMPTS, 2, 1.0, max_new_tokens=16, seed=0)
     assert dtypes == [torch.bfloat16]
     rows = list(range(len(ro.completion_ids)))
     ids, attn, mask, sampler_lp = S.rollout_batch(ro, rows, tok.pad_token_id)

@@ -13,7 +13,6 @@ import loop
 import models as M
 import sampler as S
 from common import CountdownError
-from logprobs import token_stats
 
 
 def static(model, tok, **kw):
@@ -188,27 +187,6 @@ def test_static_lora_and_llama_go_through_their_own_modules(tiny_ckpt):
                                          num_key_value_heads=2, initializer_range=0.2)).eval()
     ro = static(llama, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=12, seed=0)
     assert_logprobs_are_the_trainers(llama, tok, ro, 1.0)
-
-
-def test_static_decodes_under_bf16_autocast(monkeypatch):
-    """The GPU's precision forced on this CPU: the static cache in bf16, log-probs near the fp32
-    trainer's (bf16 rounding, not another distribution)."""
-    model, tok = tiny(eos_logit=2.0)
-    dtypes, init = [], S._StaticStep.__init__
-
-    def spy(self, *args):
-        init(self, *args)
-        dtypes.append(self.cache.dtype)
-    monkeypatch.setattr(S._StaticStep, "__init__", spy)
-    monkeypatch.setattr(S, "_decode_precision", lambda dev: torch.autocast("cpu", torch.bfloat16))
-    ro = static(model, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=16, seed=0)
-    assert dtypes == [torch.bfloat16]
-    ids, attn, mask, sampler_lp = S.rollout_batch(ro, list(range(len(ro.completion_ids))),
-                                                  tok.pad_token_id)
-    with torch.no_grad():
-        logp = token_stats(model, ids, attn, mask)["logp"]
-    gap = (logp - sampler_lp)[mask[:, 1:].bool()].abs()
-    assert 0 < gap.mean() < 0.05, gap.mean()
 
 
 def test_decode_modes_by_device_and_refusals():
