@@ -85,6 +85,27 @@ def write_jsonl(path, rows):
     os.replace(path + ".tmp", path)
 
 
+def file_split(rows, split, eval_problems):
+    """A file has no splits: its last rows (up to 10 %, at most eval_problems) are held out."""
+    k = min(eval_problems, len(rows) // 10)
+    return rows[:len(rows) - k] if split == "train" else rows[len(rows) - k:]
+
+
+def common_queries(paths, eval_problems):
+    """The queries every JSONL file in `paths` trains on (its rows but the held-out tail)."""
+    return set.intersection(*({r["query"] for r in file_split(read_jsonl(p, ["query"]), "train",
+                                                             eval_problems)} for p in paths))
+
+
+def only_problems(prompts, write, queries):
+    """(prompts, rng -> responses) kept to the rows whose prompt is in `queries`: students of
+    different sources on the same problems, each sample differing only in its trace (004 §4)."""
+    keep = [i for i, p in enumerate(prompts) if p in queries]
+    if not keep:
+        raise CountdownError("--problems: no training problem of --data is in every file")
+    return [prompts[i] for i in keep], lambda rng: (lambda out: [out[i] for i in keep])(write(rng))
+
+
 def load_records(source, split, required):
     """Rows from a local .jsonl file, or a hub dataset's split (the `datasets` import is lazy)."""
     if source.endswith(".jsonl") or os.path.exists(source):

@@ -2,15 +2,18 @@
 004 §3).
 
     r_SS = avg_t log π_s(s_t | q, e) + α · min_t log π_s(s_t | q, e)                     (Eq. 3)
-    r_KL = avg_t KL(π_θ(·| q, s, e_<t) ‖ π_s(·| q, e_<t)) + α · max_t KL(...), over e    (Eq. 4)
-    r = r_SS − λ r_KL (+ −1 if e never closes </think>)  (λ 3, α 0.01, §A.1)
-    A = GRPO's Eq. 2 on r                                                             (Eq. 5-6)
+    r_KL = avg_t KL_t + α · max_t KL_t over e, of π_θ(·| q, s, e_<t) ‖ π_s(·| q, e_<t)     (Eq. 4)
+    r = r_SS − λ r_KL (+ −1 if e never closes </think>)                                   (Eq. 5)
+    A = GRPO's Eq. 2 on r                                                                 (Eq. 6)
 
-The teacher sees the question *and* the solver's equation and writes the explanation e; the reward
-asks the frozen student two things: does e make the solution likely (r_SS), and is every step of e a
-likely step from the student's side, without the solution in view (r_KL)? A dense reward: no
-exploration wall. The format penalty is *added*: a penalized explanation is still scored, so
-dropping </think> never pays. Departures from the paper:
+The teacher sees the question *and* the solution and writes the explanation e; the reward asks the
+frozen student two things: does e make the solution likely (r_SS), and is every step of e a likely
+step from the student's side, without the solution in view (r_KL)? A dense reward: no exploration
+wall. The −1 is *added*, so dropping </think> never pays. As the authors run it (SakanaAI/RLT):
+KL_t is the written token's log π_θ − log π_s (--kl_estimator exact: Eq. 4's KL over the
+vocabulary), both models at the sampling temperature, and λ, α by §A.1's rule (each term of about
+the same magnitude over the initial explanations; their 7B: λ 3, α 0.01) on B x G explanations at
+the start (--no-balance: the flags). Departures from the paper:
   1. Prompt formats (004 Fig. 6-7) are the Countdown ones: the teacher's assistant turn opens with
      `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e,
      `</think>\\n<answer>s</answer>`.
@@ -20,28 +23,27 @@ dropping </think> never pays. Departures from the paper:
   3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass (ρ = 1: π_old is
      the trainer's forward), KL to a synced reference, log-probs of logits / T (T = 0.7) in ρ.
   4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8
-     (README, "RLT").
+     (README, "RLT"); solutions from the restricted solver, whose steps the traces can write
+     (rlt_data.solved); the export's budget twice the training one (004 Table 4).
 
 Real (1×H100):
   python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
 CPU (embedded): the `rlt` stage of run_cpu.sh, which prints its exact command.
 """
-import itertools
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from checkpoints import prepare_run
-from common import (CountdownError, RLArgs, arg, autocast, check_rl_args, cli, parse_args,
-                    seed_everything)
-from data import load_tasks, make_prompt, write_jsonl
+from common import (CountdownError, RLArgs, arg, autocast, check_choice, check_rl_args, cli,
+                    parse_args, seed_everything)
+from data import load_tasks, make_prompt
 from logprobs import token_stats
 from loop import Run, load_policy, mix_reference, step_seed
 from models import frozen_copy, load_frozen
+from rlt_data import balanced, export_traces, measure_balance, next_solved, solved
 from sampler import make_sampler, micro_batches
-from traces import arithmetic
-from verifier import solve
 
 
 @dataclass
@@ -74,8 +76,16 @@ class Args(RLArgs):
     # RLT specific
     student: str = arg("out/sft",
                        "the frozen student whose log-probs make the reward; shares the tokenizer")
-    lam: float = arg(3.0, "λ, weight of r_KL (004 Table 3: 3)")
-    alpha: float = arg(0.01, "α, weight of the min / max terms in r_SS / r_KL (004 Table 3: 0.01)")
+    lam: float = arg(3.0, "λ, weight of r_KL (004 Table 3: 3), with --no-balance")
+    alpha: float = arg(0.01, "α, weight of the min / max terms in r_SS / r_KL (004 Table 3: 0.01), "
+                             "with --no-balance")
+    balance: bool = arg(True, "λ and α by 004 §A.1's rule: each of the reward's four terms of "
+                              "about the same magnitude over the initial explanations (saved in "
+                              "OUTPUT_DIR/balance.json)")
+    kl_estimator: str = arg("sampled", "KL_t of Eq. 4: sampled = log π_θ(e_t) − log π_s(e_t) "
+                                       "(the authors' code) | exact: over the vocabulary")
+    reward_temperature: float = arg(0.0, "T of both models' log-probs in the reward (0: "
+                                         "--temperature, as the authors' code; 1: raw logits)")
     penalty: float = arg(-1.0, "added to the reward of an explanation that never closes </think> "
                                "(004 §A.1, Table 3: −1)")
     beta: float = arg(0.04, "β, weight of the KL to the reference teacher (004 Table 3)")
@@ -88,6 +98,9 @@ class Args(RLArgs):
     export: str = arg("", "after training, write student-format traces (query/completion JSONL) "
                           "for sft.py --data")
     export_problems: int = arg(2000, "train problems to export, from the first")
+    export_max_new_tokens: int = arg(0, "explanation budget of the export (0: 2 x "
+                                        "--max_response_len, 004 Table 4's ratio: a cut "
+                                        "explanation is no trace)")
     export_best_of: int = arg(1,
                               "explanations drawn per exported problem; the best r_SS one is kept")
     export_verified: bool = arg(False, "export only explanations whose every written step is right "
@@ -111,6 +124,12 @@ def student_completion(explanation, solution):
     return f"{explanation}</think>\n<answer>{solution}</answer>"
 
 
+def student_row(task, explanation, solution, template):
+    """An exported explanation as sft.py's data: the student's prompt, e, then s (004 Fig. 3)."""
+    return {"query": student_prompt(task, template), "nums": task["nums"], "target": task["target"],
+            "completion": student_completion(explanation, solution)}
+
+
 def explanation_of(text):
     """(explanation, penalized) of a teacher completion: the text before </think>, and whether the
     tag is missing (004 §A.1: the explanation ran past the budget, or ended untagged). What
@@ -120,30 +139,41 @@ def explanation_of(text):
 
 
 # ---- the reward (004 Eq. 3-5) --------------------------------------------------------------------
-def rlt_reward(logp, kl, sol_mask, expl_mask, alpha, lam):
-    """Per row (b,): r, r_SS, r_KL. logp: the student's log-probs; kl: KL(teacher ‖ student) per
-    token; sol_mask / expl_mask: where the solution / explanation tokens are; all (b, T-1). An
-    empty explanation has r_KL = 0 (KL is never negative, so max over an empty set is taken as
-    0)."""
-    n_sol, n_expl = sol_mask.sum(-1).clamp(min=1), expl_mask.sum(-1).clamp(min=1)     # (b,)
-    min_logp = logp.masked_fill(sol_mask == 0, float("inf")).min(-1).values             # (b,)
-    r_ss = (logp * sol_mask).sum(-1) / n_sol + alpha * min_logp
-    r_kl = (kl * expl_mask).sum(-1) / n_expl + alpha * (kl * expl_mask).max(-1).values
-    return r_ss - lam * r_kl, r_ss, r_kl
+def reward_parts(logp, kl, sol_mask, expl_mask):
+    """Eq. 3-4's four reductions per row (b, 4): avg and min of the student's log-probs over the
+    solution, avg and max of KL_t over the explanation. logp, kl, sol_mask, expl_mask: (b, T-1).
+    An empty explanation has 0 for both KL terms."""
+    n_sol, n_expl = sol_mask.sum(-1).clamp(min=1), expl_mask.sum(-1)                    # (b,)
+    avg_logp = (logp * sol_mask).sum(-1) / n_sol
+    min_logp = logp.masked_fill(sol_mask == 0, float("inf")).min(-1).values
+    avg_kl = (kl * expl_mask).sum(-1) / n_expl.clamp(min=1)
+    # the sampled KL_t can be negative: the max is over the explanation's tokens only
+    max_kl = kl.masked_fill(expl_mask == 0, float("-inf")).max(-1).values.where(n_expl > 0, 0.0)
+    return torch.stack([avg_logp, min_logp, avg_kl, max_kl], -1)                       # (b, 4)
+
+
+def rlt_reward(parts, penalized, alpha, lam, penalty):
+    """(N,) each: r = r_SS − λ r_KL, plus `penalty` where the explanation never closed </think>
+    (004 §A.1: added, so dropping the tag never pays), r_SS (Eq. 3), r_KL (Eq. 4)."""
+    r_ss = parts[:, 0] + alpha * parts[:, 1]
+    r_kl = parts[:, 2] + alpha * parts[:, 3]
+    return r_ss - lam * r_kl + penalty * torch.tensor(penalized, dtype=torch.float32), r_ss, r_kl
 
 
 @torch.no_grad()
-def score_explanations(teacher, student, tok, tasks, sols, explanations, penalized, template, alpha,
-                       lam, penalty, micro_batch, device):
-    """r, r_SS, r_KL (N,) for N explanations; r gets `penalty` added where `penalized`. Each row is
-    run twice, aligned token for token: the student reads q + e + s, the teacher q + s + e (its
-    own format). The student's copy is left-padded so both prompts end at the same position (RoPE
-    sees only relative positions)."""
-    N = len(tasks)
-    out = torch.zeros(3, N)
+def score_explanations(teacher, student, tok, tasks, sols, explanations, template, temperature,
+                       kl_estimator, micro_batch, device):
+    """reward_parts (N, 4) of N explanations, both models' log-probs of logits / temperature. Each
+    row is run twice, aligned token for token: the student reads q + e + s, the teacher q + s + e
+    (its own format). The student's copy is left-padded so both prompts end at the same position
+    (RoPE sees only relative positions). KL_t: `exact`, KL(π_θ ‖ π_s) over the vocabulary (Eq. 4
+    as written); `sampled`, log π_θ(e_t) − log π_s(e_t) of the token the teacher wrote (the
+    authors' code): a step the student would not take costs there even when the two
+    distributions are close elsewhere."""
+    parts = torch.zeros(len(tasks), 4)
     enc = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    for s in range(0, N, micro_batch):
-        rows = list(range(s, min(s + micro_batch, N)))
+    for s in range(0, len(tasks), micro_batch):
+        rows = list(range(s, min(s + micro_batch, len(tasks))))
         P_t = enc([teacher_prompt(tasks[i], sols[i], template) for i in rows])
         P_s = enc([student_prompt(tasks[i], template) for i in rows])
         E = enc([explanations[i] for i in rows])
@@ -160,16 +190,18 @@ def score_explanations(teacher, student, tok, tasks, sols, explanations, penaliz
                 attn[r, P - len(p):end] = 1
             expl_mask[r, P:P + len(e)] = 1
             sol_mask[r, end - len(x):end] = 1
-        # student log-probs and KL(teacher ‖ student) in vocab chunks
-        with autocast(device, student, teacher):
+        teacher_in = (ids_t.to(device), attn_t.to(device))
+        exact = kl_estimator == "exact"
+        with autocast(device, student, teacher):  # log-probs (and the exact KL) in vocab chunks
             st = token_stats(student, ids_s.to(device), attn_s.to(device),
-                             (expl_mask + sol_mask).to(device), teacher=teacher,
-                             teacher_inputs=(ids_t.to(device), attn_t.to(device)))
-        r, r_ss, r_kl = rlt_reward(st["logp"], st["kl"], sol_mask[:, 1:].to(device).float(),
-                                   expl_mask[:, 1:].to(device).float(), alpha, lam)
-        out[:, rows] = torch.stack([r, r_ss, r_kl]).float().cpu()
-    # 004 §A.1: added
-    return out[0] + penalty * torch.tensor(penalized, dtype=torch.float32), out[1], out[2]
+                             (expl_mask + sol_mask).to(device), temperature,
+                             teacher=teacher if exact else None, kd_temperature=temperature,
+                             teacher_inputs=teacher_in if exact else None)
+            kl = st["kl"] if exact else token_stats(  # (b, T-1); masked to e by reward_parts
+                teacher, *teacher_in, expl_mask.to(device), temperature)["logp"] - st["logp"]
+        parts[rows] = reward_parts(st["logp"], kl, sol_mask[:, 1:].to(device).float(),
+                                   expl_mask[:, 1:].to(device).float()).float().cpu()
+    return parts
 
 
 # ---- the GRPO update, with 004's choices ---------------------------------------------------------
@@ -196,24 +228,6 @@ def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
 
 
 # ---- which problems, and the teacher's explanations ----------------------------------------------
-def solved(tasks, n=None):
-    """(task, solver equation) for the first n tasks that have one, solved only as needed."""
-    pairs = ((t, solve(t["nums"], t["target"])) for t in tasks)
-    return list(itertools.islice(((t, s) for t, s in pairs if s is not None), n))
-
-
-def next_solved(run, tasks, n):
-    """The next n solvable tasks of the run's shuffled order, as (task, solution): unsolvable tasks
-    drop out, so draw until n are in (reshuffling when the order runs out)."""
-    batch = []
-    while len(batch) < n:
-        if not run.order:
-            run.order = run.rng.sample(range(len(tasks)), len(tasks))
-        take, run.order = run.order[:n - len(batch)], run.order[n - len(batch):]
-        batch += solved([tasks[i] for i in take])
-    return batch
-
-
 def explain(sampler, model, tok, tasks, sols, n, template, max_prompt_len, temperature,
             max_new_tokens, seed):
     """n teacher completions per task; returns (Rollouts, explanations, penalized flags)."""
@@ -250,30 +264,10 @@ def rlt_metrics(ro, reward, r_ss, r_kl, penalized, expl_tokens):
             "train/cut": 1 - sum(ro.finished) / n}  # stopped by the budget, not EOS
 
 
-def export_traces(path, explain_fn, score_fn, tasks, sols, k, template, seed, verified=False):
-    """sft.py-ready JSONL: per problem the best-r_SS explanation of k, in the student format; with
-    `verified`, of those whose steps traces.arithmetic finds no fault in (r_SS checks no step)."""
-    rows = []
-    for s in range(0, len(tasks), 256):
-        ts, ss = tasks[s:s + 256], sols[s:s + 256]
-        ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s)
-        _, r_ss, _ = score_fn([t for t in ts for _ in range(k)],
-                              [x for x in ss for _ in range(k)], expl, pen)
-        for j, (t, sol) in enumerate(zip(ts, ss)):
-            cands = [i for i in range(j * k, (j + 1) * k) if not pen[i] and not (verified and any(
-                arithmetic([expl[i]], [t["target"]])[m] for m in ("step_error", "false_claims")))]
-            if cands:  # a problem whose every explanation was penalized is left out
-                best = max(cands, key=lambda i: r_ss[i].item())
-                rows.append({"query": student_prompt(t, template), "nums": t["nums"],
-                             "target": t["target"], "r_ss": r_ss[best].item(),
-                             "completion": student_completion(expl[best], sol)})
-    write_jsonl(path, rows)
-    print(f"exported {len(rows)} traces of {len(tasks)} problems to {path}")
-
-
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size)
+    check_choice("kl_estimator", args.kl_estimator, ("sampled", "exact"))
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
@@ -285,15 +279,21 @@ def main(argv=None):
     eval_tasks = solved(load_tasks(args.eval_data, "val", args.eval_problems))
     if not eval_tasks or not solved(tasks, 1):
         raise CountdownError(f"no solvable tasks in {args.data if eval_tasks else args.eval_data}")
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len)
+    export_len = args.export_max_new_tokens or 2 * args.max_response_len  # 004 Table 4: 2 x
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len
+                           + max(args.max_response_len, export_len if args.export else 0))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     explain_fn = partial(explain, sampler, model, tok, template=args.template,
                          max_prompt_len=args.max_prompt_len, temperature=args.temperature,
                          max_new_tokens=args.max_response_len, seed=args.seed)
-    score_fn = partial(score_explanations, model, student, tok, template=args.template,
-                       alpha=args.alpha, lam=args.lam, penalty=args.penalty,
-                       micro_batch=args.micro_batch, device=device)
+    parts_of = partial(score_explanations, model, student, tok, template=args.template,
+                       temperature=args.reward_temperature or args.temperature,
+                       kl_estimator=args.kl_estimator, micro_batch=args.micro_batch, device=device)
+    # λ, α by 004 §A.1's rule on the initial teacher's explanations of B training problems
+    alpha, lam = balanced(output_dir, args.init, partial(
+        measure_balance, explain_fn, parts_of, solved(tasks, args.batch_size), args.group_size)
+    ) if args.balance else (args.alpha, args.lam)
+    score_fn = lambda t, s, e, p: rlt_reward(parts_of(t, s, e), p, alpha, lam, args.penalty)  # noqa
     eval_explain = partial(explain_fn, max_new_tokens=args.eval_max_new_tokens)
     evaluate = partial(held_out, eval_explain, score_fn, *zip(*eval_tasks), args.eval_samples)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
@@ -337,8 +337,9 @@ def main(argv=None):
     run.close()
     if args.export:
         ex = solved(tasks, args.export_problems)
-        export_traces(args.export, explain_fn, score_fn, *zip(*ex), args.export_best_of,
-                      args.template, args.seed, args.export_verified)
+        export_traces(args.export, partial(explain_fn, max_new_tokens=export_len), score_fn,
+                      *zip(*ex), args.export_best_of, partial(student_row, template=args.template),
+                      args.seed, args.export_verified)
     return model
 
 

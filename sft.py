@@ -12,8 +12,7 @@ Departures from the paper:
 
 Real (1×H100, the paper's recipe = the defaults):
   python sft.py --init Qwen/Qwen2.5-0.5B --output_dir out/sft
-CPU (embedded): the `sft`, `teacher` and student stages of run_cpu.sh, which prints their exact
-commands.
+CPU (embedded): the `sft`, `teacher` and student stages of run_cpu.sh (it prints the commands).
 """
 import math
 import os
@@ -28,7 +27,8 @@ from transformers import (get_cosine_schedule_with_warmup,
 
 from checkpoints import prepare_run
 from common import CountdownError, TrainArgs, arg, autocast, cli, parse_args, seed_everything
-from data import load_records, load_tasks, make_prompt, match_prompts
+from data import (common_queries, file_split, load_records, load_tasks, make_prompt, match_prompts,
+                  only_problems)
 from evaluate import eval_metrics
 from logprobs import spans, token_stats, tokenize_pairs
 from loop import Run, StepStats, load_policy
@@ -42,12 +42,10 @@ class Args(TrainArgs):
     # shared, with this script's defaults (000 Table 4)
     init: str = arg("Qwen/Qwen2.5-0.5B",
                     "model to fine-tune: hub name, checkpoint dir, or `tiny` (from scratch)")
-    data: str = arg("Asap7772/cog_behav_all_strategies", "SFT data: hub/JSONL with "
-                                                         "query+completion, gen[:...] traces, "
-                                                         "arith[:...] plain arithmetic over those "
-                                                         "problems' numbers (the base stage), or "
-                                                         "rlt[:...] traces in RLT's teacher format "
-                                                         "(004 §A.1)")
+    data: str = arg("Asap7772/cog_behav_all_strategies",
+                    "SFT data: hub/JSONL with query+completion, gen[:...] traces, arith[:...] "
+                    "plain arithmetic over those problems' numbers (the base stage), or rlt[:...] "
+                    "traces in RLT's teacher format (004 §A.1)")
     output_dir: str = arg("out/sft", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for init, shuffling and sampling")
     template: str = arg("base", "prompt template for generated data and eval: base | compact")
@@ -71,6 +69,8 @@ class Args(TrainArgs):
                                "student recipe: 1e-6)")
     num_train: int = arg(0, "training problems: gen writes traces for this many (0: 20,000); a "
                             "dataset keeps its first rows (0: all)")
+    problems: str = arg("", "comma-separated JSONL files: train only on the problems all of them "
+                            "train on (students of other sources on the same problems, 004 §4)")
     dead_ends: float = arg(0.0, "gen data: mean number of abandoned tries before the one that "
                                 "finds the target")
     near_misses: float = arg(0.0, "gen data: share of dead ends that are near misses, the closest "
@@ -137,10 +137,9 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
     if verified:
         raise CountdownError("--verified gates generated traces (--data gen:...): a dataset's rows "
                              "are taken as they are")
-    if os.path.exists(data):  # a file has no splits: its last rows (up to 10%) are the held-out set
-        rows = load_records(data, "train", ["query", "completion"])
-        k = min(eval_problems, len(rows) // 10)
-        rows = rows[:len(rows) - k] if split == "train" else rows[len(rows) - k:]
+    if os.path.exists(data):
+        rows = file_split(load_records(data, "train", ["query", "completion"]), split,
+                          eval_problems)
     else:
         rows = load_records(data, "train" if split == "train" else "test", ["query", "completion"])
     rows = rows[:n or None]  # queries: the prompts RL and evaluate.py build (data.match_prompts)
@@ -195,6 +194,9 @@ def main(argv=None):
                    fixed_traces=args.fixed_traces, seed=args.seed, mix=mix, mistakes=mistakes,
                    verified=args.verified, rebuild=args.rebuild_prompts)
     prompts, write_responses = data("train", args.num_train)
+    if args.problems:  # a file's training rows: all but its held-out tail, as sft_data splits it
+        prompts, write_responses = only_problems(prompts, write_responses, common_queries(
+            args.problems.split(","), args.eval_problems))
     val_prompts, write_val = data("val", args.eval_problems)  # disjoint from train by construction
     batches = partial(micro_batches, tok, size=args.micro_batch, max_prompt_len=args.max_prompt_len,
                       max_response_len=args.max_response_len, device=device,
@@ -217,7 +219,8 @@ def main(argv=None):
               **args.run_options(output_dir))
     responses = run.extra.get("responses", [])
     print(f"{len(prompts)} training examples, {steps_per_epoch} steps/epoch, {total} steps, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+          f"{len(set(prompts))} problems, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+          "parameters")
     for step in run.steps():
         # ---- batch: a fresh shuffle (and, for generated data, fresh traces) every epoch ----
         idx, new_epoch = run.next_indices(range(len(prompts)), args.batch_size)

@@ -21,8 +21,16 @@ import sft
 from checkpoints import save_checkpoint
 from verifier import score
 
-# rlt.score_explanations
-RWD = dict(template="compact", micro_batch=2, alpha=0.01, lam=3.0, penalty=-1.0)
+# rlt.score_explanations, and the reward 004 §A.1 makes of its parts
+SCORE = dict(template="compact", micro_batch=2, temperature=1.0, kl_estimator="exact")
+RWD = dict(alpha=0.01, lam=3.0, penalty=-1.0)
+ROW = functools.partial(rlt.student_row, template="compact")  # an export's row
+
+
+def scorer(teacher, student, tok, **kw):
+    """score_fn as rlt.main builds it: (tasks, sols, explanations, penalized) -> r, r_SS, r_KL."""
+    parts_of = functools.partial(rlt.score_explanations, teacher, student, tok, **{**SCORE, **kw}, device="cpu")
+    return lambda t, s, e, p: rlt.rlt_reward(parts_of(t, s, e), p, **RWD)
 FAST = ["--term_grads", "--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
         "--max_response_len", "12", "--max_steps", "2", "--lr", "1e-3"]
@@ -127,11 +135,29 @@ def test_rlt_reward_by_hand():
     kl = torch.tensor([[0.0, 0.2, 0.6, 9.0, 9.0], [0.0, 0.0, 0.0, 9.0, 9.0]])
     expl = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]).float()  # row 2: empty explanation
     sol = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]).float()
-    r, r_ss, r_kl = rlt.rlt_reward(logp, kl, sol, expl, alpha=0.01, lam=3.0)
+    parts = rlt.reward_parts(logp, kl, sol, expl)
+    assert torch.allclose(parts, torch.tensor([[-1.0, -1.5, 0.4, 0.6], [-2.0, -2.0, 0.0, 0.0]]))
+    r, r_ss, r_kl = rlt.rlt_reward(parts, [False, True], alpha=0.01, lam=3.0, penalty=-1.0)
     # mean + α·min
     assert torch.allclose(r_ss, torch.tensor([-1.0 + 0.01 * -1.5, -2.0 + 0.01 * -2.0]))
     assert torch.allclose(r_kl, torch.tensor([0.4 + 0.01 * 0.6, 0.0]))  # mean + α·max
-    assert torch.allclose(r, r_ss - 3.0 * r_kl)
+    assert torch.allclose(r, r_ss - 3.0 * r_kl - torch.tensor([0.0, 1.0]))  # the −1 added
+    # the sampled KL_t is a log-ratio, negative where the student likes the token more: the max is
+    # over the explanation's tokens, not the masked zeros
+    neg = rlt.reward_parts(logp, torch.tensor([[5.0, -0.2, -0.6, 9.0, 9.0]] * 2), sol, expl)
+    assert torch.allclose(neg[0, 2:], torch.tensor([-0.4, -0.2])) and torch.all(neg[1, 2:] == 0)
+
+
+def test_balance_weights_make_the_four_terms_equal_in_magnitude():
+    """004 §A.1: λ and α such that each term has about the same expected magnitude over the
+    initial completions. Parts (N, 4): avg log p, min log p, avg KL_t, max KL_t."""
+    from rlt_data import balance_weights
+    parts = torch.tensor([[-2.0, -8.0, 0.05, 0.5], [-4.0, -12.0, -0.15, 1.5]])  # |means| 3, 10, 0.1, 1
+    alpha, lam = balance_weights(parts)
+    assert alpha == pytest.approx((3 / 10 * 0.1 / 1) ** 0.5) and lam == pytest.approx(30.0)
+    assert lam * 0.1 == pytest.approx(3.0)  # λ |avg KL_t| = |avg log p|
+    with pytest.raises(C.CountdownError, match="cannot balance"):
+        balance_weights(torch.tensor([[-2.0, -8.0, 0.0, 0.0]]))
 
 
 def test_explanation_is_penalized_only_without_the_closing_tag():
@@ -142,7 +168,11 @@ def test_explanation_is_penalized_only_without_the_closing_tag():
     assert rlt.explanation_of(" 3 + 4 = 7.</think>\n<answer>3 + 4</answ") == (" 3 + 4 = 7.", False)
 
 
-def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
+@pytest.mark.parametrize("kl_estimator,T", [("exact", 1.0), ("exact", 0.7), ("sampled", 0.7)])
+def test_score_explanations_matches_per_row_naive_and_penalizes(kl_estimator, T, monkeypatch):
+    """Per row, from two plain forwards: the student's log-probs of the solution, and KL_t over the
+    explanation, exact (over the vocabulary) or sampled (the authors' log-ratio of the written
+    token), both models at logits / T (the authors score at the sampling temperature)."""
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")  # checks the row alignment against fp32, to 1e-4
     teacher, tok = tiny_model(1)
     student, _ = tiny_model(0)
@@ -150,24 +180,31 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(monkeypatch):
     sols = ["(3 + 4) * 5", "2 * 9 + 7", "1 + 2 + 3"]
     expl = [" 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n", " 2 * 9 = 18, left 7", ""]
     pen = [False, True, False]  # row 1 never closed </think>
-    r, r_ss, r_kl = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, pen, **RWD, device="cpu")
+    score_fn = scorer(teacher, student, tok, kl_estimator=kl_estimator, temperature=T)
+    r, r_ss, r_kl = score_fn(tasks, sols, expl, pen)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for i in (0, 1, 2):
         ps, pt = enc(rlt.student_prompt(tasks[i], "compact")), enc(rlt.teacher_prompt(tasks[i], sols[i], "compact"))
         e, tail, s = enc(expl[i]), enc("</think>\n<answer>"), enc(sols[i] + "</answer>")
         with torch.no_grad():
-            ls = student(input_ids=torch.tensor([ps + e + tail + s])).logits[0].log_softmax(-1)
-            lt = teacher(input_ids=torch.tensor([pt + e + tail + s])).logits[0].log_softmax(-1)
+            ls = (student(input_ids=torch.tensor([ps + e + tail + s])).logits[0] / T).log_softmax(-1)
+            lt = (teacher(input_ids=torch.tensor([pt + e + tail + s])).logits[0] / T).log_softmax(-1)
         sol_lp = ls[len(ps) + len(e) + len(tail) - 1:-1].gather(-1, torch.tensor(s)[:, None])[:, 0]
         want_ss = sol_lp.mean() + 0.01 * sol_lp.min()
-        kl = (lt[len(pt) - 1:len(pt) + len(e) - 1].exp() * (lt[len(pt) - 1:len(pt) + len(e) - 1]
-                                                            - ls[len(ps) - 1:len(ps) + len(e) - 1])).sum(-1)
+        lt_e, ls_e = lt[len(pt) - 1:len(pt) + len(e) - 1], ls[len(ps) - 1:len(ps) + len(e) - 1]  # (len(e), V)
+        if kl_estimator == "exact":
+            kl = (lt_e.exp() * (lt_e - ls_e)).sum(-1)
+        else:  # the token the teacher wrote
+            kl = (lt_e - ls_e).gather(-1, torch.tensor(e, dtype=torch.long)[:, None])[:, 0]
         want_kl = kl.mean() + 0.01 * kl.max() if len(e) else torch.tensor(0.0)
         assert abs(r_ss[i] - want_ss) < 1e-4 and abs(r_kl[i] - want_kl) < 1e-4, i
         assert abs(r[i] - (want_ss - 3 * want_kl - int(pen[i]))) < 1e-3  # 004 §A.1: the −1 is added
-    unpenalized, _, _ = rlt.score_explanations(teacher, student, tok, tasks, sols, expl, [False] * 3, **RWD, device="cpu")
+    unpenalized, _, _ = score_fn(tasks, sols, expl, [False] * 3)
     # so being penalized never pays
     assert torch.allclose(r, unpenalized - torch.tensor([0.0, 1.0, 0.0]))
+    if kl_estimator == "sampled":  # it differs from the exact KL: another quantity, not a copy
+        _, _, exact_kl = scorer(teacher, student, tok, temperature=T)(tasks, sols, expl, pen)
+        assert (exact_kl[:2] - r_kl[:2]).abs().min() > 1e-3
 
 
 def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
@@ -274,12 +311,12 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     sampler = ScriptedSampler(tok, texts, [True, True, False, True])
     explain = functools.partial(rlt.explain, sampler, teacher, tok, template="compact", max_prompt_len=512, temperature=1.0,
                                 max_new_tokens=40, seed=0)
-    score_fn = functools.partial(rlt.score_explanations, teacher, student, tok, **{**RWD, "micro_batch": 4}, device="cpu")
-    rlt.export_traces(str(tmp_path / "x.jsonl"), explain, score_fn, tasks, sols, 2, "compact", 0)
+    score_fn = scorer(teacher, student, tok, micro_batch=4)
+    rlt.export_traces(str(tmp_path / "x.jsonl"), explain, score_fn, tasks, sols, 2, ROW, 0)
     lines = [json.loads(x) for x in open(tmp_path / "x.jsonl")]
     assert len(lines) == 1 and lines[0]["nums"] == [3, 4, 5]  # task 2: both penalized, left out
     expl = [rlt.explanation_of(t)[0] for t in texts[:2]]
-    _, r_ss, _ = rlt.score_explanations(teacher, student, tok, tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2, **{**RWD, "micro_batch": 4}, device="cpu")
+    _, r_ss, _ = score_fn(tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2)
     best = expl[int(r_ss.argmax())]
     assert lines[0]["completion"] == rlt.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
     assert lines[0]["query"] == D.make_prompt([3, 4, 5], 35, "compact")
@@ -304,6 +341,42 @@ def test_rlt_export_only_with_zero_steps(ckpts, tmp_path):
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "of 3 problems" in r.stdout and traces.exists() and not (tmp_path / "config.json").exists()
+
+
+def test_rlt_explains_solutions_the_traces_format_can_write():
+    """The solver's first expression has a negative or fractional step for 7.5 % of the first 2,000
+    embedded training problems, which no `a op b = v` line can write: the restricted solver's is
+    explained instead, and a problem with no such solution is left out."""
+    from rlt_data import solved
+    tasks = [{"nums": [1, 7, 18], "target": 24}, {"nums": [1, 5, 5, 5], "target": 24}, {"nums": [15, 9, 15], "target": 25}]
+    assert solved(tasks) == [(tasks[0], "18 + (7 - 1)"), (tasks[2], "(15 * 15) / 9")]
+
+
+@pytest.mark.parametrize("flags,budget", [([], 24), (["--export_max_new_tokens", "50"], 50)])
+def test_export_budget_is_above_training_and_its_lengths_are_saved(flags, budget, ckpts, tmp_path, monkeypatch):
+    """004 Table 4: the export's budget is twice the training budget (32,764 against 16,384) unless
+    given; the balance and the training draw at the training budget (FAST: 12 tokens)."""
+    seen, real = [], rlt.explain
+    monkeypatch.setattr(rlt, "explain", lambda *a, **k: seen.append((len(a[3]) * a[5], k["max_new_tokens"])) or real(*a, **k))
+    traces = tmp_path / "t.jsonl"
+    rlt.main(["--init", ckpts["student"], "--student", ckpts["student"], *FAST, "--max_steps", "0", "--export", str(traces),
+              "--export_problems", "3", "--export_best_of", "2", *flags, "--output_dir", str(tmp_path / "run")])
+    assert seen[0] == (2 * 3, 12) and seen[-1] == (3 * 2, budget)  # balance: B x G; export: 3 problems x 2
+    stats = json.load(open(str(traces) + ".stats.json"))
+    assert stats["problems"] == 3 and stats["explanations"] == 6 and 0 <= stats["closed"] <= 1
+    assert json.load(open(tmp_path / "run" / "balance.json"))["explanations"] == 6
+
+
+def test_balance_is_measured_once_and_kept_by_a_resumed_run(tmp_path):
+    from rlt_data import balanced
+    calls = []
+    measure = lambda: calls.append(1) or (0.1, 20.0, {})  # noqa: E731
+    run, init = tmp_path / "run", tmp_path / "init"
+    init.mkdir()
+    assert balanced(str(run), str(init), measure) == (0.1, 20.0) and len(calls) == 1
+    assert balanced(str(run), str(init), lambda: (9, 9, {})) == (0.1, 20.0)  # resumed: the saved pair
+    # exported from a trained teacher (--init its run, --max_steps 0): the pair it was trained with
+    assert balanced(str(tmp_path / "export"), str(run), lambda: (9, 9, {})) == (0.1, 20.0)
 
 
 @pytest.mark.parametrize("script,flags,message", [
@@ -355,12 +428,12 @@ def test_export_verified_keeps_only_explanations_whose_steps_are_right(tmp_path)
     sols = ["(3 + 4) * 5", "2 * 9 + 7"]
     texts = [" 3 + 4 = 7. 5 * 7 = 35.\n</think>", " 3 + 4 = 8. 8 * 5 = 40.\n</think>",
              " 2 * 9 = 19. 19 + 7 = 26.\n</think>", " 2 * 9 = 17.\n</think>"]  # task 2: both wrong
-    score_fn = functools.partial(rlt.score_explanations, teacher, student, tok, **{**RWD, "micro_batch": 4}, device="cpu")
+    score_fn = scorer(teacher, student, tok, micro_batch=4)
     out = {}
     for verified in (False, True):
         explain = functools.partial(rlt.explain, ScriptedSampler(tok, texts, [True] * 4), teacher, tok, template="compact",
                                     max_prompt_len=512, temperature=1.0, max_new_tokens=40, seed=0)
-        rlt.export_traces(str(tmp_path / f"{verified}.jsonl"), explain, score_fn, tasks, sols, 2, "compact", 0, verified)
+        rlt.export_traces(str(tmp_path / f"{verified}.jsonl"), explain, score_fn, tasks, sols, 2, ROW, 0, verified)
         out[verified] = [json.loads(x) for x in open(tmp_path / f"{verified}.jsonl")]
     assert [r["nums"] for r in out[False]] == [[3, 4, 5], [2, 9, 7]]
     assert [r["nums"] for r in out[True]] == [[3, 4, 5]]

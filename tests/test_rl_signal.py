@@ -35,9 +35,9 @@ def fake_score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1, no_answer_
     return r, r.view(len(tasks), -1)
 
 
-def fake_score_explanations(teacher, student, tok, tasks, sols, explanations, penalized, **kw):
-    r = scripted(explanations)
-    return r, r, torch.zeros_like(r)
+def fake_score_explanations(teacher, student, tok, tasks, sols, explanations, **kw):
+    r = scripted(explanations)  # as reward_parts: r_SS's mean, nothing else (no --balance)
+    return torch.stack([r, torch.zeros_like(r), torch.zeros_like(r), torch.zeros_like(r)], -1)
 
 
 def record(monkeypatch, module, name):
@@ -91,7 +91,7 @@ def run_one_step(module, argv, monkeypatch):
     (rloo, ["--pg_norm", "mean"]),
     (grpo, ["--beta", "0.04", "--num_iterations", "2"]),
     (opd, ["--pg_norm", "mean"]),
-    (rlt, ["--eval_every", "0"]),
+    (rlt, ["--eval_every", "0", "--no-balance", "--penalty", "0"]),
 ])
 def test_the_update_raises_rewarded_rollouts_and_lowers_punished_ones(module, extra, tiny_ckpt, tmp_path,
                                                                     monkeypatch):

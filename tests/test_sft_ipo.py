@@ -221,3 +221,23 @@ def test_a_dataset_prompt_that_is_not_the_template_is_one_line(tmp_path):
         sft.sft_data(str(data), "train", 0, "compact", 0, rebuild=True)
     r = run("sft.py", "--init", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.count("error: ") == 1 and "Traceback" not in r.stderr
+
+
+def test_problems_keeps_the_queries_every_file_trains_on(tmp_path):
+    """--problems: students of different sources train on the same problems (004 §4), a file's
+    held-out tail left out as sft_data leaves it out, each kept prompt with its own response."""
+    tasks = D.load_tasks(GEN, "train", 30)
+    q = [D.make_prompt(t["nums"], t["target"], "compact") for t in tasks]
+    a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    D.write_jsonl(a, [{"query": x, "completion": "A"} for x in q[:20]])  # trains on q[:18]: 2 held out
+    D.write_jsonl(b, [{"query": x, "completion": "B"} for x in q[5:30]])  # on q[5:28]
+    common = D.common_queries([a, b], eval_problems=100)
+    assert common == set(q[5:18])
+    prompts, write = sft.sft_data(GEN, "train", 30, "compact", 100, mistakes=None)
+    kept, responses = D.only_problems(prompts, write, common)
+    assert kept == q[5:18]
+    assert all(V.score(r, t["nums"], t["target"]) == 1.0 for r, t in zip(responses(random.Random(0)), tasks[5:18]))
+    kept, responses = D.only_problems(*sft.sft_data(b, "train", None, "compact", 100), common)
+    assert kept == q[5:18] and responses(None) == ["B"] * 13
+    with pytest.raises(C.CountdownError, match="--problems"):
+        D.only_problems(prompts, write, {"no such prompt"})

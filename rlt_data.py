@@ -1,0 +1,115 @@
+"""RLT's plumbing (rlt.py): which problems the teacher explains, the λ / α its reward is balanced
+with, and the export of its explanations as a student's SFT data (paper 004 §3.2, §A.1, Table 4)."""
+import itertools
+import json
+import os
+
+from common import CountdownError
+from data import write_jsonl
+from traces import arithmetic
+from verifier import solve
+
+
+def solved(tasks, n=None):
+    """(task, solution) for the first n tasks that have one the traces' format can write: the
+    restricted solver's (every intermediate a non-negative integer, as traces.py writes `a op b = v`
+    lines). An expression like `18 - (1 - 7)` or `12 / (6 / 17)` has a step no explanation in that
+    format can state, so its problem is left out (7.5 % of the embedded training problems; a hub
+    dataset's 4-number problems are solved as needed: all 490k up front would take minutes)."""
+    pairs = ((t, solve(t["nums"], t["target"], restricted=True)) for t in tasks)
+    return list(itertools.islice(((t, s) for t, s in pairs if s is not None), n))
+
+
+def next_solved(run, tasks, n):
+    """The next n solvable tasks of the run's shuffled order, as (task, solution): unsolvable tasks
+    drop out, so draw until n are in (reshuffling when the order runs out)."""
+    batch = []
+    while len(batch) < n:
+        if not run.order:
+            run.order = run.rng.sample(range(len(tasks)), len(tasks))
+        take, run.order = run.order[:n - len(batch)], run.order[n - len(batch):]
+        batch += solved([tasks[i] for i in take])
+    return batch
+
+
+def balance_weights(parts):
+    """004 §A.1's rule for λ and α: "each individual component of the RLT rewards [has]
+    approximately the same expected magnitude over the model's initial output completions".
+    parts (N, 4): per completion avg log π_s(s), min log π_s(s), avg KL_t, max KL_t (rlt.py's
+    reward_parts). α |min| ≈ |avg| in r_SS and in r_KL (one α scales both: the geometric mean of
+    the two ratios); λ |avg KL_t| ≈ |avg log π_s(s)|. Returns (α, λ)."""
+    m = parts.abs().mean(0).tolist()                                                   # (4,)
+    if min(m) <= 0:
+        raise CountdownError("cannot balance the reward: a term is 0 on every initial explanation "
+                             "(empty explanations?); give --lam and --alpha with --no-balance")
+    return (m[0] / m[1] * m[2] / m[3]) ** 0.5, m[0] / m[2]
+
+
+def measure_balance(explain_fn, parts_of, pairs, n):
+    """(α, λ, info): balance_weights over n explanations of each (task, solution) pair by the
+    teacher as it starts; parts_of(tasks, sols, explanations) -> (N, 4)."""
+    tasks, sols = zip(*pairs)
+    _, expl, _ = explain_fn(tasks, sols, n)
+    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+    parts = parts_of(rep(tasks), rep(sols), expl)                                       # (N, 4)
+    alpha, lam = balance_weights(parts)
+    m = parts.abs().mean(0).tolist()
+    print(f"reward balanced on {len(expl)} initial explanations (004 §A.1): |avg log p| "
+          f"{m[0]:.3g}, |min log p| {m[1]:.3g}, |avg KL_t| {m[2]:.3g}, |max KL_t| {m[3]:.3g} -> "
+          f"α {alpha:.3g}, λ {lam:.3g}")
+    return alpha, lam, {"explanations": len(expl), "abs_mean_parts": m}
+
+
+def balanced(output_dir, init, measure):
+    """(α, λ) of this run: saved in OUTPUT_DIR/balance.json by its start (a resumed run keeps
+    them), else those its --init teacher was trained with, else measure() -> (α, λ, info) on the
+    initial completions, then saved."""
+    for d in (output_dir, init):
+        path = os.path.join(d, "balance.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                b = json.load(f)
+            return b["alpha"], b["lam"]
+    alpha, lam, info = measure()
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "balance.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"alpha": alpha, "lam": lam, **info}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return alpha, lam
+
+
+def quantiles(xs, qs=(0.5, 0.9, 0.95, 0.99)):
+    xs = sorted(xs)
+    return {f"p{round(q * 100)}": xs[min(len(xs) - 1, int(q * len(xs)))] for q in qs} if xs else {}
+
+
+def export_traces(path, explain_fn, score_fn, tasks, sols, k, to_row, seed, verified=False):
+    """sft.py-ready JSONL: per problem the best-r_SS explanation of k (004 §B: "collected up to 16
+    [...] and selected anyone below [the budget], otherwise resorting to r^SS"), as
+    to_row(task, explanation, solution) writes it (the student format); with `verified`, of
+    those whose steps traces.arithmetic finds no fault in (r_SS checks no step). A problem whose
+    every explanation runs past the budget untagged is left out; the share that closed and their
+    lengths are printed and saved beside (PATH.stats.json), so a budget that cuts can be seen."""
+    rows, lengths, closed = [], [], 0
+    for s in range(0, len(tasks), 256):
+        ts, ss = tasks[s:s + 256], sols[s:s + 256]
+        ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s)
+        r_ss = score_fn([t for t in ts for _ in range(k)], [x for x in ss for _ in range(k)], expl,
+                        pen)[1]
+        closed += pen.count(False)
+        lengths += [len(ids) for ids, p in zip(ro.completion_ids, pen) if not p]
+        for j, (t, sol) in enumerate(zip(ts, ss)):
+            cands = [i for i in range(j * k, (j + 1) * k) if not pen[i] and not (verified and any(
+                arithmetic([expl[i]], [t["target"]])[m] for m in ("step_error", "false_claims")))]
+            if cands:
+                best = max(cands, key=lambda i: r_ss[i].item())
+                rows.append({**to_row(t, expl[best], sol), "r_ss": r_ss[best].item()})
+    write_jsonl(path, rows)
+    stats = {"problems": len(tasks), "exported": len(rows), "explanations": len(tasks) * k,
+             "closed": closed / max(1, len(tasks) * k), "closed_tokens": quantiles(lengths)}
+    with open(path + ".stats.json", "w") as f:
+        json.dump(stats, f, indent=1)
+    print(f"exported {len(rows)} traces of {len(tasks)} problems to {path}; {closed} of "
+          f"{len(tasks) * k} explanations closed </think> ({100 * stats['closed']:.1f} %), their "
+          f"tokens {stats['closed_tokens']}")
