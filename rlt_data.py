@@ -36,13 +36,16 @@ def balance_weights(parts):
     """004 §A.1's rule for λ and α: "each individual component of the RLT rewards [has]
     approximately the same expected magnitude over the model's initial output completions".
     parts (N, 4): per completion avg log π_s(s), min log π_s(s), avg KL_t, max KL_t (rlt.py's
-    reward_parts). α |min| ≈ |avg| in r_SS and in r_KL (one α scales both: the geometric mean of
-    the two ratios); λ |avg KL_t| ≈ |avg log π_s(s)|. Returns (α, λ)."""
+    reward_parts). With one α for both rewards and one λ, four sizes cannot all match: α puts
+    each reward's min / max term as near its mean term as one number can (the geometric mean of
+    the two ratios), then λ makes λ r_KL as large as r_SS. Returns (α, λ)."""
     m = parts.abs().mean(0).tolist()                                                   # (4,)
-    if min(m) <= 0:
+    if min(m) <= 0:  # (then also E|r_KL| > 0)
         raise CountdownError("cannot balance the reward: a term is 0 on every initial explanation "
                              "(empty explanations?); give --lam and --alpha with --no-balance")
-    return (m[0] / m[1] * m[2] / m[3]) ** 0.5, m[0] / m[2]
+    alpha = (m[0] / m[1] * m[2] / m[3]) ** 0.5
+    r_ss, r_kl = parts[:, 0] + alpha * parts[:, 1], parts[:, 2] + alpha * parts[:, 3]  # (N,)
+    return alpha, (r_ss.abs().mean() / r_kl.abs().mean()).item()
 
 
 def measure_balance(explain_fn, parts_of, pairs, n):

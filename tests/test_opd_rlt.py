@@ -152,10 +152,12 @@ def test_balance_weights_make_the_four_terms_equal_in_magnitude():
     """004 §A.1: λ and α such that each term has about the same expected magnitude over the
     initial completions. Parts (N, 4): avg log p, min log p, avg KL_t, max KL_t."""
     from rlt_data import balance_weights
-    parts = torch.tensor([[-2.0, -8.0, 0.05, 0.5], [-4.0, -12.0, -0.15, 1.5]])  # |means| 3, 10, 0.1, 1
+    parts = torch.tensor([[-2.0, -8.0, 0.05, 0.5], [-4.0, -12.0, 0.15, 1.5]])  # |means| 3, 10, 0.1, 1
     alpha, lam = balance_weights(parts)
-    assert alpha == pytest.approx((3 / 10 * 0.1 / 1) ** 0.5) and lam == pytest.approx(30.0)
-    assert lam * 0.1 == pytest.approx(3.0)  # λ |avg KL_t| = |avg log p|
+    assert alpha == pytest.approx((3 / 10 * 0.1 / 1) ** 0.5)  # one α for the ratios 3 / 10 and 0.1 / 1
+    r_ss, r_kl = parts[:, 0] + alpha * parts[:, 1], parts[:, 2] + alpha * parts[:, 3]
+    assert lam == pytest.approx(r_ss.abs().mean() / r_kl.abs().mean())  # λ E|r_KL| = E|r_SS|
+    assert lam == pytest.approx((3 + alpha * 10) / (0.1 + alpha * 1))  # by hand
     with pytest.raises(C.CountdownError, match="cannot balance"):
         balance_weights(torch.tensor([[-2.0, -8.0, 0.0, 0.0]]))
 
