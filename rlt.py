@@ -12,8 +12,8 @@ step from the student's side, without the solution in view (r_KL)? A dense rewar
 wall. The −1 is *added*, so dropping </think> never pays. As the authors run it (SakanaAI/RLT):
 KL_t is the written token's log π_θ − log π_s (--kl_estimator exact: Eq. 4's KL over the
 vocabulary), both models at the sampling temperature, and λ, α by §A.1's rule (each term of about
-the same magnitude over the initial explanations; their 7B: λ 3, α 0.01) on B x G explanations at
-the start (--no-balance: the flags). Departures from the paper:
+the same magnitude over the initial explanations; their 7B: λ 3, α 0.01; the embedded teacher:
+λ 13.4, α 0.085) on B x G explanations at the start (--no-balance: the flags). Departures:
   1. Prompt formats (004 Fig. 6-7) are the Countdown ones: the teacher's assistant turn opens with
      `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e,
      `</think>\\n<answer>s</answer>`.
@@ -103,6 +103,8 @@ class Args(RLArgs):
                                         "explanation is no trace)")
     export_best_of: int = arg(1,
                               "explanations drawn per exported problem; the best r_SS one is kept")
+    export_redraws: int = arg(0, "draws again, up to this many times, for a problem none of whose "
+                                 "explanations closed </think> (004 §B: up to 16 draws)")
     export_verified: bool = arg(False, "export only explanations whose every written step is right "
                                        "and that say `found` only at the target (not in 004)")
 
@@ -339,7 +341,7 @@ def main(argv=None):
         ex = solved(tasks, args.export_problems)
         export_traces(args.export, partial(explain_fn, max_new_tokens=export_len), score_fn,
                       *zip(*ex), args.export_best_of, partial(student_row, template=args.template),
-                      args.seed, args.export_verified)
+                      args.seed, args.export_verified, args.export_redraws)
     return model
 
 

@@ -87,32 +87,39 @@ def quantiles(xs, qs=(0.5, 0.9, 0.95, 0.99)):
     return {f"p{round(q * 100)}": xs[min(len(xs) - 1, int(q * len(xs)))] for q in qs} if xs else {}
 
 
-def export_traces(path, explain_fn, score_fn, tasks, sols, k, to_row, seed, verified=False):
-    """sft.py-ready JSONL: per problem the best-r_SS explanation of k (004 §B: "collected up to 16
-    [...] and selected anyone below [the budget], otherwise resorting to r^SS"), as
-    to_row(task, explanation, solution) writes it (the student format); with `verified`, of
-    those whose steps traces.arithmetic finds no fault in (r_SS checks no step). A problem whose
-    every explanation runs past the budget untagged is left out; the share that closed and their
-    lengths are printed and saved beside (PATH.stats.json), so a budget that cuts can be seen."""
-    rows, lengths, closed = [], [], 0
-    for s in range(0, len(tasks), 256):
-        ts, ss = tasks[s:s + 256], sols[s:s + 256]
-        ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s)
-        r_ss = score_fn([t for t in ts for _ in range(k)], [x for x in ss for _ in range(k)], expl,
-                        pen)[1]
-        closed += pen.count(False)
-        lengths += [len(ids) for ids, p in zip(ro.completion_ids, pen) if not p]
-        for j, (t, sol) in enumerate(zip(ts, ss)):
-            cands = [i for i in range(j * k, (j + 1) * k) if not pen[i] and not (verified and any(
-                arithmetic([expl[i]], [t["target"]])[m] for m in ("step_error", "false_claims")))]
-            if cands:
-                best = max(cands, key=lambda i: r_ss[i].item())
-                rows.append({**to_row(t, expl[best], sol), "r_ss": r_ss[best].item()})
+def export_traces(path, explain_fn, score_fn, tasks, sols, k, to_row, seed, verified=False,
+                  redraws=0):
+    """sft.py-ready JSONL: per problem the best-r_SS explanation of k, as to_row(task,
+    explanation, solution) writes it (the student format); with `verified`, of those whose steps
+    traces.arithmetic finds no fault in (r_SS checks no step). An explanation that runs past the
+    budget untagged is no trace: a problem with none that closed is drawn again, up to `redraws`
+    times (004 §B: "up to 16 reasoning traces [...] selected anyone below [the budget]"), else left
+    out. The share that closed and their lengths are printed and saved (PATH.stats.json)."""
+    cands, todo, lengths, drawn, first = [[] for _ in tasks], list(range(len(tasks))), [], 0, None
+    rep = lambda xs: [x for x in xs for _ in range(k)]  # noqa: E731
+    for r in range(redraws + 1):
+        for s in range(0, len(todo), 256):
+            idx = todo[s:s + 256]
+            ts, ss = [tasks[i] for i in idx], [sols[i] for i in idx]
+            ro, expl, pen = explain_fn(ts, ss, k, seed=seed + 1 + s + 100_003 * r)
+            r_ss = score_fn(rep(ts), rep(ss), expl, pen)[1]
+            drawn += len(expl)
+            lengths += [len(ids) for ids, p in zip(ro.completion_ids, pen) if not p]
+            for j, i in enumerate(idx):
+                cands[i] += [(r_ss[m].item(), expl[m]) for m in range(j * k, (j + 1) * k)
+                             if not pen[m] and not (verified and any(arithmetic(
+                                 [expl[m]], [tasks[i]["target"]])[x] for x in ("step_error",
+                                                                                "false_claims")))]
+        first = first if first is not None else len(lengths) / max(1, drawn)
+        todo = [i for i in todo if not cands[i]]
+    rows = [{**to_row(t, max(c)[1], sol), "r_ss": max(c)[0]}
+            for t, sol, c in zip(tasks, sols, cands) if c]
     write_jsonl(path, rows)
-    stats = {"problems": len(tasks), "exported": len(rows), "explanations": len(tasks) * k,
-             "closed": closed / max(1, len(tasks) * k), "closed_tokens": quantiles(lengths)}
+    stats = {"problems": len(tasks), "exported": len(rows), "explanations": drawn,
+             "closed_first_draw": first, "closed": len(lengths) / max(1, drawn),
+             "closed_tokens": quantiles(lengths)}
     with open(path + ".stats.json", "w") as f:
         json.dump(stats, f, indent=1)
-    print(f"exported {len(rows)} traces of {len(tasks)} problems to {path}; {closed} of "
-          f"{len(tasks) * k} explanations closed </think> ({100 * stats['closed']:.1f} %), their "
-          f"tokens {stats['closed_tokens']}")
+    print(f"exported {len(rows)} traces of {len(tasks)} problems to {path}; of the first draw "
+          f"{100 * first:.1f} % closed </think>; {drawn} explanations drawn in all, their closed "
+          f"ones' tokens {stats['closed_tokens']}")

@@ -325,6 +325,42 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     assert score(lines[0]["completion"], [3, 4, 5], 35) == 1.0
 
 
+class CallsSampler(ScriptedSampler):
+    """A scripted sampler whose every call returns the next batch of texts (finished at EOS iff
+    closed), and records the prompts it was given."""
+
+    def __init__(self, tok, batches):
+        self.tok, self.batches, self.prompts = tok, list(batches), []
+
+    def generate(self, prompts, n, *a, **k):
+        self.prompts.append(list(prompts))
+        self.texts = self.batches.pop(0)
+        self.finished = ["</think>" in t for t in self.texts]
+        return super().generate(prompts, n)
+
+
+@pytest.mark.parametrize("redraws,exported", [(0, 1), (1, 2)])
+def test_export_draws_again_only_for_problems_with_no_closed_explanation(redraws, exported, tmp_path):
+    """004 §B: up to N draws for a question, any one within the budget kept. Task 2's first
+    explanation runs past the budget; with one redraw it is drawn again, alone, and kept."""
+    teacher, tok = tiny_model(1)
+    student, _ = tiny_model(0)
+    tasks = [{"nums": [3, 4, 5], "target": 35}, {"nums": [2, 9, 7], "target": 25}]
+    sols = ["(3 + 4) * 5", "2 * 9 + 7"]
+    sampler = CallsSampler(tok, [[" 3 + 4 = 7. 5 * 7 = 35.\n</think>", " 2 * 9 = 18"], [" 2 * 9 = 18. 18 + 7 = 25.\n</think>"]])
+    explain = functools.partial(rlt.explain, sampler, teacher, tok, template="compact", max_prompt_len=512, temperature=1.0,
+                                max_new_tokens=40, seed=0)
+    path = str(tmp_path / "x.jsonl")
+    rlt.export_traces(path, explain, scorer(teacher, student, tok, micro_batch=4), tasks, sols, 1, ROW, 0, redraws=redraws)
+    rows = [json.loads(x) for x in open(path)]
+    assert [r["nums"] for r in rows] == [[3, 4, 5], [2, 9, 7]][:exported]
+    assert len(sampler.prompts) == redraws + 1
+    if redraws:  # the second draw: task 2 alone
+        assert sampler.prompts[1] == [rlt.teacher_prompt(tasks[1], sols[1], "compact")]
+    stats = json.load(open(path + ".stats.json"))
+    assert stats["closed_first_draw"] == 0.5 and stats["explanations"] == 2 + redraws
+
+
 @pytest.mark.parametrize("kd_loss", ["forward", "reverse"])
 def test_opd_kd_loss_flag_picks_the_kl_direction(kd_loss, ckpts, tmp_path, monkeypatch):
     """--kd_loss reverse reaches token_stats as kd_reverse (its values: test_common's naive check)."""
