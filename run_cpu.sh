@@ -186,16 +186,21 @@ rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_
   --dead_ends 1 --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 \
   --output_dir "$OUT/rlt_sft"; }
 #    Then RLT's teacher (004), after rlt_sft in its unit: it learns to explain given solutions to the frozen
-#    SFT student, and writes explanations for the first 2,000 training problems (a problem whose explanation is cut
-#    by the budget or untagged is skipped: 706 of 2,000 here). With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
+#    SFT student, with the reward as its authors run it (the written token's log-ratio for KL_t, both models at
+#    T 0.7) and 004 Table 3's λ 3, α 0.01 (--no-balance: §A.1's rule gives λ 13.4, α 0.085 here, and its student
+#    scored val 0.187 against 0.223; docs/teachers.md §4b), and writes explanations for the
+#    first 2,000 training problems at twice the training budget (004 Table 4); a quarter of them are searches
+#    that never end, so a problem whose explanation did not close is drawn again, up to 3 times (004 §B).
+#    With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
 rlt() {
   rlt_sft
   stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
     --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
-    --export "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt"
+    --no-balance --export "$OUT/rlt/traces.jsonl" --export_redraws 3 --output_dir "$OUT/rlt"
   if [[ -n $RLT_CONTROL ]]; then
-    stage rlt0 python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --micro_batch 64 \
-      --max_response_len 160 --max_steps 0 --export "$OUT/rlt0/traces.jsonl" --output_dir "$OUT/rlt0"
+    stage rlt0 python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --batch_size 16 --group_size 8 \
+      --micro_batch 64 --max_response_len 160 --max_steps 0 --no-balance --export "$OUT/rlt0/traces.jsonl" \
+      --export_redraws 3 --output_dir "$OUT/rlt0"
   fi
 }
 

@@ -24,7 +24,7 @@ run() {  # run NAME COMMAND...: skip a finished one, log to OUT/NAME.log
 }
 # the RL control: the teacher RL starts from, exported with the pipeline's rlt flags and 0 steps
 run rlt0 python rlt.py --init "$CPU/rlt_sft" --student "$CPU/sft" "${COMMON[@]}" --batch_size 16 --group_size 8 \
-  --micro_batch 64 --max_response_len 160 --max_steps 0 --export "$OUT/rlt0.jsonl" --output_dir "$OUT/rlt0" --overwrite
+  --micro_batch 64 --max_response_len 160 --max_steps 0 --no-balance --export "$OUT/rlt0.jsonl" --export_redraws 3 --output_dir "$OUT/rlt0" --overwrite
 FILES="$CPU/rlt/traces.jsonl,$CPU/teacher/accepted.jsonl,$OUT/rlt0.jsonl"
 declare -A SOURCE=([rlt]="--data $CPU/rlt/traces.jsonl" [teacher]="--data $CPU/teacher/accepted.jsonl"
   [rlt0]="--data $OUT/rlt0.jsonl" [solver]="--fixed_traces --dead_ends 1 --near_misses 0.5 --mistakes none")
