@@ -13,7 +13,8 @@ wall. The −1 is *added*, so dropping </think> never pays. As the authors run i
 KL_t is the written token's log π_θ − log π_s (--kl_estimator exact: Eq. 4's KL over the
 vocabulary), both models at the sampling temperature, and λ, α by §A.1's rule (each term of about
 the same magnitude over the initial explanations; their 7B: λ 3, α 0.01; the embedded teacher:
-λ 13.4, α 0.085) on B x G explanations at the start (--no-balance: the flags). Departures:
+λ 13.4, α 0.085, whose student did worse on val than λ 3's, so run_cpu.sh keeps 3 and 0.01) on
+B x G explanations at the start (--no-balance: the flags). Departures:
   1. Prompt formats (004 Fig. 6-7) are the Countdown ones: the teacher's assistant turn opens with
      `<answer>solution</answer>` then `<think>`; the student's is the plain prompt, e,
      `</think>\\n<answer>s</answer>`.
