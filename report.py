@@ -18,8 +18,8 @@ STAGES = ["sft", "teacher", "rloo", "opd", "grpo", "ipo", "opd_anticollapse", "o
           "teacher_student", "rlt_student", "rlt0_student", "solver_student"]
 # pass_at_k.png: one panel a comparison, so that no line hides another (stages not named: "other")
 COMPARISONS = {"preference and RL from SFT": ["sft", "teacher", "ipo", "rloo", "grpo"],
-               "distillation and anti-collapse": ["sft", "teacher", "rloo", "opd",
-                                                  "opd_anticollapse", "opd_longer"],
+               "on-policy distillation (and ANTICOLLAPSE=1)": ["sft", "teacher", "rloo", "opd",
+                                                               "opd_anticollapse", "opd_longer"],
                "students of explanations and traces": ["teacher_student", "rlt_student",
                                                        "rlt0_student", "solver_student"]}
 RL_STAGES = ["rloo", "grpo", "opd", "opd_anticollapse", "opd_longer"]

@@ -37,9 +37,18 @@ for seed in $SEEDS; do
       --num_problems 200 --max_new_tokens 160 --out "$OUT/eval/${src}_s$seed"
   done
 done
-python - "$OUT" $SEEDS <<'EOF'
+python - "$OUT" "$CPU" $SEEDS <<'EOF'
 import json, re, sys
-out, seeds = sys.argv[1], sys.argv[2:]
+from traces import arithmetic
+out, cpu, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
+# what each file teaches before the common problems are kept: its rows, wrong steps and false `found` claims
+print("| source | rows | wrong step | false `found` |\n|---|---|---|---|")
+for src, path in (("rlt", f"{cpu}/rlt/traces.jsonl"), ("teacher", f"{cpu}/teacher/accepted.jsonl"),
+                  ("rlt0", f"{out}/rlt0.jsonl")):
+    rows = [json.loads(x) for x in open(path)]
+    a = arithmetic([r["completion"].split("</think>")[0] for r in rows], [r["target"] for r in rows])
+    print(f"| {src} | {len(rows)} | {100 * a['step_error']:.1f} % | {100 * a['false_claims']:.1f} % |")
+print()
 print("| student | seed | rows | test pass@1 ± 95 % | pass@16 | slip | false `found` |\n|---|---|---|---|---|---|---|")
 for src in ("rlt", "teacher", "rlt0", "solver"):
     for s in seeds:

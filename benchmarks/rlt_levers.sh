@@ -18,9 +18,10 @@ declare -A CONFIG=(
   [nobal]="--init $M/rlt_sft --max_steps 30 --no-balance"               # ... with 004 Table 3's λ 3, α 0.01
   [rl0]="--init $M/rlt_sft --max_steps 0"                               # the RL control: no RL step
   [nobal_redraw]="--init $O/nobal/rlt --max_steps 0 --no-balance --export_redraws 3"  # the pipeline's export
-  [vstudent]="--init $M/rlt_sft --max_steps 30 --student $M/teacher"    # the reward scored by the verified model
-  [exact]="--init $M/rlt_sft --max_steps 30 --kl_estimator exact"
-  [T1]="--init $M/rlt_sft --max_steps 30 --reward_temperature 1")
+  # each one change from the pipeline's recipe (nobal): the reward scored by the verified model, the old KL_t, T 1
+  [vstudent]="--init $M/rlt_sft --max_steps 30 --no-balance --student $M/teacher"
+  [exact]="--init $M/rlt_sft --max_steps 30 --no-balance --kl_estimator exact"
+  [T1]="--init $M/rlt_sft --max_steps 30 --no-balance --reward_temperature 1")
 t() { local n=$1; shift; local s=$SECONDS; echo "== $n: $*"; "$@" > "$O/$n.log" 2>&1; echo "== $n rc $? in $((SECONDS-s)) s"; }
 mkdir -p "$O"
 for n in "${@:-new nobal rl0 nobal_redraw vstudent exact T1}"; do
