@@ -14,8 +14,9 @@ import loop
 import pipeline
 from conftest import GEN, ROOT
 
-UNITS = ["sft", "teacher", "solver_student", "rlt:sft", "grpo:sft", "opd:sft,teacher", "rloo:sft",
-         "ipo:sft", "rlt_student:rlt"]  # run_cpu.sh's
+UNITS = ["sft", "teacher:sft", "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft"]  # run_cpu.sh's
+RLT_UNITS = ["sft", "teacher", "solver_student", "teacher_student:teacher", "rlt:sft", "grpo:sft",
+             "opd:sft,teacher", "rloo:sft", "ipo:sft", "rlt_student:rlt"]  # with RLT=1
 
 
 @pytest.mark.parametrize("cores,n,want", [(1, 1, [1]), (1, 3, [1, 1, 1]), (2, 1, [2]), (2, 2, [1, 1]),
@@ -38,10 +39,13 @@ def plan(cores, serial=False, env=None):
 
 def test_more_cores_run_more_stages_at_once_and_serial_gives_one_all():
     assert plan(1)[0] == [("sft", 1)]
-    assert plan(2)[0] == [("sft", 1), ("teacher", 1)]
-    assert plan(8)[0] == [("sft", 3), ("teacher", 3), ("solver_student", 2)]  # all that is ready
-    first, lines = plan(8, serial=True)
-    assert first == [("sft", 8)] and sum(" starts on 8 threads" in x for x in lines) == len(UNITS)
+    assert plan(2)[0] == [("sft", 2)]  # paper 000's table: sft alone first, on every core
+    rlt = {"RLT": "1"}  # paper 004's comparison too: its students start beside sft
+    assert plan(2, env=rlt)[0] == [("sft", 1), ("teacher", 1)]
+    assert plan(8, env=rlt)[0] == [("sft", 3), ("teacher", 3), ("solver_student", 2)]  # all that is ready
+    for env, units in (({}, UNITS), (rlt, RLT_UNITS)):
+        first, lines = plan(8, serial=True, env=env)
+        assert first == [("sft", 8)] and sum(" starts on 8 threads" in x for x in lines) == len(units)
     assert not os.path.exists("/nonexistent/out")  # --plan runs nothing
 
 
@@ -53,13 +57,53 @@ def test_a_users_omp_num_threads_is_the_core_count():
 
 
 def test_the_plan_puts_the_longest_chain_first():
-    steps, end = pipeline.plan(pipeline.parse_units(UNITS), 2, 2)
+    steps, end = pipeline.plan(pipeline.parse_units(RLT_UNITS), 2, 2)
     order = [u for _, u, _ in steps]
     assert order[:2] == ["sft", "teacher"] and order.index("rlt") < order.index("ipo")
     # one core: the sum of the costs; two: less than half again as long
-    assert pipeline.plan(pipeline.parse_units(UNITS), 1, 1)[1] == sum(pipeline.COST[u.split(":")[0]]
-                                                                      for u in UNITS)
-    assert end < 0.6 * pipeline.plan(pipeline.parse_units(UNITS), 1, 1)[1]
+    assert pipeline.plan(pipeline.parse_units(RLT_UNITS), 1, 1)[1] == sum(pipeline.COST[u.split(":")[0]]
+                                                                          for u in RLT_UNITS)
+    assert end < 0.6 * pipeline.plan(pipeline.parse_units(RLT_UNITS), 1, 1)[1]
+
+
+# run_cpu.sh's python, faked: each call's arguments to $CALLS, an evaluation's summary.json, a stage's dir
+FAKE_PY = r"""#!/usr/bin/env bash
+[[ $1 == -c ]] && exec "$REAL_PYTHON" "$@"
+echo "$*" >> "$CALLS"
+while [[ $# -gt 0 ]]; do case $1 in
+  --out) mkdir -p "$2"; echo '{"pass_at_k": {"1": 0.5, "16": 0.9}, "pass_at_1_stderr": 0.01}' > "$2/summary.json";;
+  --output_dir) mkdir -p "$2";;
+  --export) mkdir -p "$(dirname "$2")"; touch "$2";;
+esac; shift; done
+"""
+
+
+def test_a_rerun_evaluates_only_what_changed_and_rlt_adds_the_students(tmp_path):
+    fake, out, calls = tmp_path / "python", tmp_path / "out", tmp_path / "calls"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable, "CALLS": str(calls),
+           "RLT": "", "RLT_CONTROL": "", "FORCE": ""}
+
+    def unit(name, **extra):
+        """`run_cpu.sh --unit NAME`: its console and the scripts it ran"""
+        calls.write_text("")
+        r = subprocess.run(["bash", "run_cpu.sh", "--unit", name, str(out)], cwd=ROOT, capture_output=True,
+                           text=True, env={**env, **extra})
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout, [x.split()[0] for x in calls.read_text().splitlines()]
+
+    o, c = unit("teacher")  # paper 000's table: the shipped teacher evaluated, no student
+    assert c == ["evaluate.py"] and "teacher: test pass@1 0.500" in o
+    o, c = unit("teacher")  # again: evaluated after it finished, so nothing runs
+    assert c == [] and "teacher: evaluated" in o
+    o, c = unit("teacher_student", RLT="1")  # RLT=1: the teacher's accepted samples, its student
+    assert c == ["evaluate.py", "sft.py", "evaluate.py"]
+    summary, wall = out / "eval" / "teacher_student" / "summary.json", out / "teacher_student" / "wall_seconds"
+    os.utime(summary, (time.time() - 60,) * 2)  # the stage finished again after its evaluation
+    o, c = unit("teacher_student", RLT="1")
+    assert c == ["evaluate.py"] and "teacher_student: finished" in o
+    assert unit("teacher_student", RLT="1")[1] == [] and wall.exists()
 
 
 FAKE = r"""
