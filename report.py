@@ -187,8 +187,11 @@ def plot_training(out, window=5):
               ("rollouts working backward", {n: {"train/strategy/backward": n} for n in logs
                                              if n != "rlt"}),
               ("RLT: r_SS of explanations (Eq. 3; dots: held-out)", {"rlt": {"train/r_ss": "rlt"}})]
+    panels = [p for p in panels if "rlt" in logs or "rlt" not in p[1]]  # RLT's with RLT=1 only
     dots = {"train/accuracy": "eval/pass@1", "train/r_ss": "eval/r_ss"}  # the held-out points
     fig, axes = plt.subplots(2, 3, figsize=(17, 7.5))
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
     for ax, (title, series) in zip(axes.flat, panels):
         for n, keys in series.items():
             rows = [r for r in logs.get(n, []) if "train/accuracy" in r or "train/r_ss" in r]
