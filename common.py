@@ -110,7 +110,7 @@ class RLArgs(TrainArgs):
                        "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
     term_grads: bool = arg(False, "on the first step and every evaluating one, also back-propagate "
                                   "each loss term alone (grad/<term>: each knob's pull, "
-                                  "docs/loss_terms.md). Costs a backward a term and the graph kept "
+                                  "docs/studies/loss_terms.md). Costs a backward a term and the graph kept "
                                   "for them: a walkthrough RLOO step peaked at 60 GB on an H100 "
                                   "with it, 36 without (docs/gpu.md)")
 
@@ -127,11 +127,11 @@ class VerifierRLArgs(RLArgs):
                                 "near misses (001)")
     wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
                                    "the budget cuts many searches short, or the 0.1 pays for "
-                                   "claiming success falsely (docs/arithmetic.md)")
+                                   "claiming success falsely (docs/studies/arithmetic.md)")
     no_answer_reward: float = arg(0.0, "sparse reward of a rollout without a complete answer (000: "
                                        "0); at 0 with a negative --wrong_reward, a search cut "
                                        "short beats a wrong answer, so the policy learns not to "
-                                       "answer (docs/strategies.md)")
+                                       "answer (docs/studies/strategies.md)")
 
     def reward_options(self):
         return {"reward": self.reward, "wrong_reward": self.wrong_reward,

@@ -81,7 +81,7 @@ def causal_only(attention_mask):
     """None where every row is right-padded (ones, then zeros), as pack() builds them: a causal
     model's real tokens then attend only to earlier positions, all real, and the padding's outputs
     are never read, so the causal mask alone gives the same values, and the attention builds no
-    (B, 1, T, T) padding mask (one SFT step here 0.52 s instead of 0.61, docs/performance.md).
+    (B, 1, T, T) padding mask (one SFT step here 0.52 s instead of 0.61, docs/studies/performance.md).
     Left padding (RLT's teacher contexts) keeps its mask."""
     right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
     return None if right_padded else attention_mask

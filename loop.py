@@ -66,7 +66,7 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
 def compile_pays(device):
     """--compile where it is measured faster and can build: on a GPU, and on a CPU with AVX512,
     where SFT's step ran 1.3x faster in bf16 and 1.22x in fp32 (0.74 s against 0.90,
-    docs/performance.md); not on an AVX2 CPU, where the compiled step was slower (1.45-1.94 s
+    docs/studies/performance.md); not on an AVX2 CPU, where the compiled step was slower (1.45-1.94 s
     against 1.07 s eager: issue 44's machine), nor on others, not measured. On a CPU, inductor
     needs a C++ compiler with OpenMP and Python's headers (absent on a bare Ubuntu/WSL, or macOS
     without libomp): a small kernel is compiled first, and where it fails the run goes on eager

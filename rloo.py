@@ -13,10 +13,10 @@ Departures from the paper:
      vLLM's snapshot or a slower sync. --mu trainer takes μ from the trainer's own forward instead
      (w = 1, KL 0): a bf16 engine's rounding then moves nothing (README, the vLLM sampler).
   2. The entropy and KL are token means, Eq. 3 a sum over ~100 tokens: λ_H's term pulled 3e-5 as
-     hard (grad/<term>; docs/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
+     hard (grad/<term>; docs/studies/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
   3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 5e-5, 100 steps, and a
      wrong answer rewarded 0, not 0.1: with 160 tokens the 0.1 pays for a false "found"
-     (docs/arithmetic.md).
+     (docs/studies/arithmetic.md).
 
 Real (1×H100, the paper's recipe = the defaults):
   python rloo.py --init out/sft --backend vllm --output_dir out/rloo
@@ -69,7 +69,7 @@ def rloo_advantages(reward, positive_weight=1.0):
     positive_weight λ < 1 is W-REINFORCE (Zhu et al., 2025, "The Surprising Effectiveness of
     Negative Reinforcement in LLM Reasoning"): positive advantages x λ, so the update mostly pushes
     mass off wrong rollouts, which the model's prior spreads over other tries, instead of piling it
-    on the right ones: the paper keeps pass@k at large k (here it did not: docs/teachers.md). The
+    on the right ones: the paper keeps pass@k at large k (here it did not: docs/studies/teachers.md). The
     paper weighs rewards ±1 with no baseline; we scale A."""
     G = reward.shape[1]
     baseline = (reward.sum(1, keepdim=True) - reward) / (G - 1)                       # (B, G)

@@ -61,14 +61,14 @@ DATA="gen:nums=3,range=1-20,test=200,val=100"
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens 160)
 # Only solving pays: a wrong answer and a search cut short both earn 0 (--wrong_reward 0 --no_answer_reward 0), not
 # paper 000's 0.1 (which paid the policy to claim "found" falsely) nor -0.5 for a wrong answer (which made a search
-# cut short the better bet); chosen on val over both (docs/strategies.md). lr 5e-5, not 2e-4 for 20 steps: at 2e-4
-# the training reward fell in every stage (docs/arithmetic.md); here it climbs, and RL's selection is done by step 25.
+# cut short the better bet); chosen on val over both (docs/studies/strategies.md). lr 5e-5, not 2e-4 for 20 steps: at 2e-4
+# the training reward fell in every stage (docs/studies/arithmetic.md); here it climbs, and RL's selection is done by step 25.
 # 100 steps, not 50, chosen on val (issue 44): GRPO +0.035 ± 0.024, RLOO +0.037 ± 0.037 paired over 100 problems x 128
-# samples; the same rollouts as 16 prompts a step for 100 steps gave +0.002 (docs/performance.md)
+# samples; the same rollouts as 16 prompts a step for 100 steps gave +0.002 (docs/studies/performance.md)
 RL=(--lr 5e-5 --temperature 0.7 --batch_size 32 --micro_batch 64 --max_response_len 160 --max_steps 100 --eval_every 25
     --save_every 25 --wrong_reward 0 --no_answer_reward 0 --term_grads)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
-# drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/loss_terms.md)
+# drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/studies/loss_terms.md)
 PG=(--pg_norm mean)
 
 stage() {  # stage NAME COMMAND...: run unless finished before; record its wall seconds; evaluate it if it is a policy
@@ -108,7 +108,7 @@ print(f'== {sys.argv[2]}: test pass@1 {p[\"1\"]:.3f} ± {1.96 * s[\"pass_at_1_st
 
 # 0. The base model, the analog of pretraining: a tiny Qwen2 from scratch learns arithmetic by plain next-token
 #    training on random computation paths over the task's numbers, written as the traces write steps (no prompt,
-#    every token a target). 2,000 steps: greedy step error 1.6% (1,200: 5.8%; docs/arithmetic.md). Like a hub
+#    every token a target). 2,000 steps: greedy step error 1.6% (1,200: 5.8%; docs/studies/arithmetic.md). Like a hub
 #    model it is downloaded, not trained, by default: pretrained/tiny-base is this stage's output, built by the
 #    command below (its README says where and how well). --rebuild-base runs that command here instead (about 6 min
 #    on 2 cores with AVX512-BF16, 25 without)
@@ -128,17 +128,17 @@ base() {
 #    trace in one of two search strategies (traces.py), so that RL has a behaviour to select: 70% random tries until
 #    one reaches the target (a mean of one dead end; each try writes the target beside its value before the
 #    verdict; half the dead ends near misses, without which "found" means "close"), 30% working backward from the
-#    target, one subgoal a line (docs/strategies.md). Then 63% of them get one mistake an LLM makes (sft.py
+#    target, one subgoal a line (docs/studies/strategies.md). Then 63% of them get one mistake an LLM makes (sft.py
 #    --mistakes: a slip claimed as a hit, a number reused or left out, a give-up that answers its closest try, an
-#    answer written as an equation), so that RL has something to remove (docs/unverified.md). 1,000 steps chosen
-#    on val (docs/unverified.md). --compile: steps 1.3x faster after a first compile of about 2 min
+#    answer written as an equation), so that RL has something to remove (docs/studies/unverified.md). 1,000 steps chosen
+#    on val (docs/studies/unverified.md). --compile: steps 1.3x faster after a first compile of about 2 min
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
 SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 1e-3 --batch_size 64 --max_steps 1000 --eval_every 500 --compile)
 sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
 #    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's
 #    verification gate (--verified: what the scorer rejects is dropped; 160 traces a step keep ~59, as many as the
 #    SFT stage trains on), twice the steps, its strategy mix chosen on val for what OPD learns from it (a teacher
-#    that works backward more is better alone and worse as a teacher: docs/teachers.md). Like the base it is
+#    that works backward more is better alone and worse as a teacher: docs/studies/teachers.md). Like the base it is
 #    shipped (pretrained/tiny-teacher; 29 min on a core); --rebuild-teacher runs this command here instead.
 #    With RLT=1, then paper 004's baseline for RLT: a student SFT'd from the base on the teacher's own samples that the
 #    verifier accepts (rejection sampling: 4 samples of each of the first 2,000 training problems, RLT's problems),
@@ -176,14 +176,14 @@ solver_student() { stage solver_student python sft.py "${STUDENT[@]}" --fixed_tr
 #    train/mistake/* and train/strategy/backward in metrics.jsonl (and rl_curves.png): RL removes the mistakes SFT
 #    imitated and selects among its two strategies. Then on-policy distillation from the teacher, hybrid with RLOO
 #    (000 Eq. 4, Algorithm 1): from the SFT model like RLOO, same geometry and steps, paper 000's forward KL
-#    (--kd_loss reverse: docs/teachers.md), λ_KL 0.03, not 0.5, chosen on val: with the per-token L_PG the KL at 0.5
+#    (--kd_loss reverse: docs/studies/teachers.md), λ_KL 0.03, not 0.5, chosen on val: with the per-token L_PG the KL at 0.5
 #    pulls 2.5-7x as hard as L_PG (the paper's summed L_PG outweighs its KL) and drags the student toward a skill it
 #    cannot learn in 50 steps (val 0.379 against RLOO's 0.464; at 0.03: 0.463)
 #    Beside them GRPO (004 Eq. 1-2, 002 Eq. 1): same batch geometry, KL to the frozen SFT model; rollouts at T 0.7
 #    like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001); IPO on the SFT model's own
 #    verifier-labelled samples (000 Eq. 2; lr 3e-5: at 1e-4 the chosen responses lost 1.8 nats too and val pass@1
-#    fell 0.509 -> 0.404, docs/arithmetic.md); and RLT's teacher's short SFT in its own format (004 §A.1: the
-#    solution in the prompt, a solver trace as the explanation; docs/rlt_recipe.md)
+#    fell 0.509 -> 0.404, docs/studies/arithmetic.md); and RLT's teacher's short SFT in its own format (004 §A.1: the
+#    solution in the prompt, a solver trace as the explanation; docs/studies/rlt_recipe.md)
 rloo() { stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" --output_dir "$OUT/rloo"; }
 OPD=(--teacher "$OUT/teacher" --kl_coef 0.03 "${COMMON[@]}" "${RL[@]}" "${PG[@]}")
 opd() { stage opd python opd.py --init "$OUT/sft" "${OPD[@]}" --output_dir "$OUT/opd"; }
@@ -197,7 +197,7 @@ rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_
 #    Then RLT's teacher (004), after rlt_sft in its unit: it learns to explain given solutions to the frozen
 #    SFT student, with the reward as its authors run it (the written token's log-ratio for KL_t, both models at
 #    T 0.7) and 004 Table 3's λ 3, α 0.01 (--no-balance: §A.1's rule gives λ 13.4, α 0.085 here, and its student
-#    scored val 0.187 against 0.223; docs/teachers.md §4b), and writes explanations for the
+#    scored val 0.187 against 0.223; docs/studies/teachers.md §4b), and writes explanations for the
 #    first 2,000 training problems at twice the training budget (004 Table 4); a quarter of them are searches
 #    that never end, so a problem whose explanation did not close is drawn again, up to 3 times (004 §B).
 #    With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
@@ -217,7 +217,7 @@ rlt() {
 #    against stage 1's two students (and with RLT_CONTROL=1 the untrained teacher's). With ANTICOLLAPSE=1, paper
 #    000's anti-collapse OPD (§3.3): warm-started from OPD, exactly two knobs changed (λ_H x10, T 1.3), against its
 #    control, OPD run on for the same 50 steps with its knobs unchanged, so the table credits the knobs, not the
-#    steps. Off by default since issue 44: nine seed pairs measured no effect here (docs/teachers.md §3), and the
+#    steps. Off by default since issue 44: nine seed pairs measured no effect here (docs/studies/teachers.md §3), and the
 #    two stages were a fifth of the pipeline's time
 rlt_student() {
   stage rlt_student python sft.py "${STUDENT[@]}" --data "$OUT/rlt/traces.jsonl" --output_dir "$OUT/rlt_student"

@@ -79,7 +79,7 @@ class HFSampler:
     the batch and its KV cache whenever a quarter of it has finished (RL rollouts vary 2-3x in
     length); the batch stops when every row has. 1,024 rows a batch: on 2 CPU cores the tiny
     model's evaluation (3,200 rows) sampled 22,200 tokens/s in batches of 1,024 against 17,000 in
-    256 (a step's fixed cost is shared by more rows), no faster in 2,048 (docs/performance.md).
+    256 (a step's fixed cost is shared by more rows), no faster in 2,048 (docs/studies/performance.md).
     On a GPU it decodes in bf16 (_decode_precision) and a batch holds only the rows whose KV cache
     fits `kv_budget` bytes (default a quarter of the card): 1,024 rows of 1,300 positions of a 7B
     model's cache are 68 GB.
@@ -105,7 +105,7 @@ class HFSampler:
 
     def decode_mode(self):
         """The decode loop for the model's device now: `decode`, else by device. On a CPU the
-        dynamic loop was the faster (docs/performance.md); on a GPU a step is launch-bound, so
+        dynamic loop was the faster (docs/studies/performance.md); on a GPU a step is launch-bound, so
         dropping rows saves nothing and a graph replay saves the launches."""
         dev = self.model.device
         mode = self.decode or ("graph" if dev.type == "cuda" else "dynamic")

@@ -90,7 +90,7 @@ class Args(TrainArgs):
                                        "and target each names (else one that differs is an error)")
     compile: bool = arg(False, "torch.compile the training forward (dynamic shapes): a first "
                                "compile of ~2 min, ~20 s from inductor's cache; then steps 1.3x "
-                               "faster here (docs/performance.md). SFT only: the RL scripts' "
+                               "faster here (docs/studies/performance.md). SFT only: the RL scripts' "
                                "per-term gradients need a backward that keeps the graph, where "
                                "the compiled one failed or disagreed with eager")
     tiny_hidden: int = arg(128, "tiny model: hidden size")

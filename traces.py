@@ -67,7 +67,7 @@ def random_tries(numbers, target, rng, dead_ends=0.0, near_misses=0.0):
     `near_misses`, else a random path), until one's value is the target. No cap: the dead ends are
     geometric with mean <= dead_ends, so only the check tells when to stop. Each try writes the
     target by its value, then the verdict ('= 70. Target 60, back.'). Without near misses a model
-    learns "found" = "close" (docs/arithmetic.md). A model cannot tell a solver path from a random
+    learns "found" = "close" (docs/studies/arithmetic.md). A model cannot tell a solver path from a random
     one before it computes it, so what it learns is: try at random until one hits."""
     solutions = _solutions(tuple(numbers), target)
     lines = []
@@ -111,7 +111,7 @@ def backward_chaining(numbers, target, rng):
     target + c, each over c in the prompt's order (this order solves 79 % of problems within the
     pipeline's 160 tokens; c by c, 62 %). Each result is checked against the one number at the
     line's start, as a random try's value is against the target: a first version checked it
-    against a list of needs, which the tiny model missed 7 times in 10 (docs/strategies.md).
+    against a list of needs, which the tiny model missed 7 times in 10 (docs/studies/strategies.md).
     Deterministic, so `rng` only serves the random tries that end a problem no subgoal solves (3 %
     here: its last step divides by c or by the pair's value). None if it has not 3 numbers."""
     if len(numbers) != 3:

@@ -1,5 +1,5 @@
 """Greedy arithmetic of a checkpoint on held-out text, the base stage's own yardstick
-(docs/arithmetic.md).
+(docs/studies/arithmetic.md).
  A base model writes no answers, so evaluate.py's sampled diagnostics cannot measure it. Here the
 model reads fresh arithmetic (traces.arith_text over random numbers of the task's range, the base
 stage's format) and a step `a op b = v` counts as right when every token of v is the model's argmax

@@ -1,7 +1,7 @@
 """How hard each loss term pulls: one step of rloo.py and opd.py from the pipeline's SFT model (and
 its teacher) under each weighting, on the same rollouts (same init and seed: same batch), reading
 the per-term gradient norms the scripts log (grad/pg, grad/entropy, grad/kl). The table in
-docs/loss_terms.md comes from this.
+docs/studies/loss_terms.md comes from this.
     python benchmarks/loss_terms.py --init out/cpu/sft --teacher out/cpu/teacher
 """
 import argparse

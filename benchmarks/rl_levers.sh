@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's RL levers, each alone (docs/strategies.md): run_cpu.sh's rloo stage from an SFT model, with
+# Issue 28's RL levers, each alone (docs/studies/strategies.md): run_cpu.sh's rloo stage from an SFT model, with
 # one flag changed per run, then a val evaluation (100 x 16) of each. Two runs at a time, one thread each,
 # as measured there. Then: python benchmarks/summarize_runs.py OUT/* (and OUT/eval_NAME/summary.json).
 #   benchmarks/rl_levers.sh OUT SFT_DIR     (SFT_DIR: run_cpu.sh's sft stage)

@@ -5,7 +5,7 @@ Reads the `samples.jsonl` that evaluate.py writes and splits each completion int
 try and on the first try. It also reports the share of tries whose first step is the first step of
 some solution ("aimed"), with the hit rate of those and of the others. The same numbers for random
 legal paths (traces.random_path) over the same problems are the yardstick. A model whose aimed
-share is no higher than a random path's picks its first step at random (docs/arithmetic.md).
+share is no higher than a random path's picks its first step at random (docs/studies/arithmetic.md).
 
   python benchmarks/search_probe.py out/cpu/eval/sft out/cpu/eval/rloo
 """

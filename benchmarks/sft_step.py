@@ -1,6 +1,6 @@
 """One SFT step of run_cpu.sh's `sft` stage (64 traces: random tries and working backward, a dead
 end on average, micro-batches of 16) under each way of running the training forward, timed in
-interleaved rounds so that the machine's drift hits every variant alike (docs/performance.md,
+interleaved rounds so that the machine's drift hits every variant alike (docs/studies/performance.md,
 "Training forwards"):
   mask      the attention mask as pack() builds it (what token_stats passed before causal_only)
   causal    the causal mask alone (logprobs.causal_only: today's default)

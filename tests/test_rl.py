@@ -310,7 +310,7 @@ def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     """The learning check, with the RL flags run_cpu.sh gives its rloo and grpo stages (its RL=(...)
     array: lr, steps, temperature, batch geometry, budget, rewards; rloo adds PG=(...),
     grpo β 0.04): on 32 problems seen every step, training accuracy must climb. New problems every
-    step do not move it as much on the tiny model: docs/arithmetic.md."""
+    step do not move it as much on the tiny model: docs/studies/arithmetic.md."""
     tasks = D.load_tasks("gen:nums=3,range=1-20,test=200,val=100", "train", 32)
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"nums": t["nums"], "target": t["target"]}) + "\n" for t in tasks))
