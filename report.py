@@ -2,10 +2,14 @@
 1-2 and results.json for a whole run_cpu.sh pipeline, and the pass@k and training-curve PNGs.
 
   python report.py --run out/cpu      # results.json, Tables 1-2, pass_at_k.png and rl_curves.png
+  python report.py --run out/cpu --publish   # and copy them to docs/, README's Table 1 redrawn
   python report.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png   # pass@k-vs-k curves
+  python report.py --compare out/cpu/rloo,out/ex/dense --keys train/zero_adv_groups --steps 1-10
+                                      # runs (or evaluations) side by side: what one change did
 """
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from math import nan
 
@@ -32,6 +36,55 @@ class Args:
                        "rl_curves.png")
     plot: str = arg("", "comma-separated eval dirs: draw their pass@k-vs-k curves to --out")
     out: str = arg("pass_at_k.png", "the PNG of --plot")
+    compare: str = arg("", "comma-separated run dirs (their metrics.jsonl) or evaluation dirs (their "
+                           "summary.json): print --keys of each side by side")
+    keys: str = arg("train/reward,eval/pass@1", "--compare's metrics: a train/ or time/ key is "
+                                                "averaged over --steps, an eval/ key is its last value")
+    steps: str = arg("1-100000", "--compare's steps, FIRST-LAST")
+    publish: bool = arg(False, "with --run: copy results.json and the two PNGs to docs/ and redraw "
+                               "README's Table 1 from them, so that every number there is this run's")
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# README's Table 1: what each stage is, then its numbers from results.json (tests/test_docs.py
+# checks that README's table is this function's output for docs/results.json, digit for digit)
+WHAT = {"sft": "SFT from the base, 1,000 steps on the unverified traces",
+        "teacher": "SFT on the same traces verified, 2,000 steps (shipped)",
+        "rloo": "RLOO from `sft`", "grpo": "GRPO from `sft`, KL β 0.04",
+        "opd": "RLOO from `sft` + forward KL to `teacher`", "ipo": "IPO from `sft` on its own samples",
+        "teacher_student": "SFT on the teacher's accepted samples",
+        "rlt_student": "SFT on RLT's explanations", "solver_student": "SFT on the solver's clean traces"}
+TABLE_START = "<!-- Table 1: written by `python report.py --run out/cpu --publish` -->"
+TABLE_END = "<!-- end of Table 1 -->"
+
+
+def readme_table(results):
+    """Markdown Table 1 of a results.json: pass@1 with its 95 % interval, pass@16, the share of
+    samples that answer, give up, or carry another mistake kind, and the stage's training time."""
+    rows = ["| stage | what it is | pass@1 (± 95 %) | pass@16 | answers | give-ups | other "
+            "mistakes | training |", "|---|---|---|---|---|---|---|---|"]
+    for n, r in results.items():
+        m, wall = r.get("mistakes", {}), r.get("wall_seconds")
+        other = sum(v for k, v in m.items() if k != "giveup")
+        wall = "shipped" if not wall else f"{wall // 60}:{wall % 60:02d}"
+        rows.append(f"| `{n}` | {WHAT.get(n, '')} | {r['pass_at_k']['1']:.3f} ± "
+                    f"{1.96 * r['pass_at_1_stderr']:.3f} | {r['pass_at_k']['16']:.3f} | "
+                    f"{100 * r['format_rate']:.1f} % | {100 * m.get('giveup', 0):.1f} % | "
+                    f"{100 * other:.1f} % | {wall} |")
+    return "\n".join(rows)
+
+
+def publish(out, docs=os.path.join(ROOT, "docs"), readme=os.path.join(ROOT, "README.md")):
+    """Copy a run's results.json and PNGs to docs/ and put its Table 1 between README's markers."""
+    for f in ["results.json", "pass_at_k.png", "rl_curves.png"]:
+        shutil.copyfile(os.path.join(out, f), os.path.join(docs, f))
+    text = open(readme).read()
+    if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1:
+        raise CountdownError(f"{readme} has no Table 1 markers ({TABLE_START} ... {TABLE_END})")
+    head, rest = text.split(TABLE_START)
+    table = readme_table(json.load(open(os.path.join(docs, "results.json"))))
+    open(readme, "w").write(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{rest.split(TABLE_END)[1]}")
+    print(f"wrote {docs}/results.json, {docs}/pass_at_k.png, {docs}/rl_curves.png, Table 1 of {readme}")
 
 
 def _num(x):
@@ -161,6 +214,33 @@ def report(out):
     print(f"\nwrote {out}/results.json, {out}/pass_at_k.png, {out}/rl_curves.png")
 
 
+def flat_summary(s):
+    """An evaluation's summary.json under the names metrics.jsonl gives the same numbers."""
+    row = {f"eval/pass@{k}": v for k, v in s["pass_at_k"].items()}
+    row.update({f"eval/mistake/{k}": v for k, v in s.get("mistakes", {}).items()})
+    row.update({f"eval/{k}": v for k, v in s.get("arithmetic", {}).items() if not isinstance(v, dict)})
+    row["eval/format_rate"] = s["format_rate"]
+    return row
+
+
+def compare(dirs, keys, first, last):
+    """One line per run: each train/ or time/ key averaged over steps FIRST..LAST, each eval/ key
+    at the last step <= LAST that logged it; an evaluation dir gives its summary's numbers."""
+    print(f"{'run (steps ' + str(first) + '-' + str(last) + ')':<32}" + "".join(f"{k:>24}" for k in keys))
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "summary.json")):
+            row = flat_summary(json.load(open(os.path.join(d, "summary.json"))))
+        else:
+            rows = [r for r in read_jsonl(os.path.join(d, "metrics.jsonl"), ["step"])
+                    if first <= r["step"] <= last]
+            row = {}
+            for k in keys:
+                vals = [r[k] for r in rows if k in r]
+                if vals:
+                    row[k] = vals[-1] if k.startswith("eval/") else sum(vals) / len(vals)
+        print(f"{d:<32}" + "".join(f"{row[k]:>24.3f}" if k in row else f"{'-':>24}" for k in keys))
+
+
 def moving_mean(xs, w=5):
     """The mean of each value and the w - 1 before it (fewer at the start)."""
     return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1])
@@ -215,11 +295,17 @@ def plot_training(out, window=5):
 
 def main():
     args = parse_args(Args)
-    if bool(args.run) == bool(args.plot):
-        raise CountdownError("give one of --run DIR (a pipeline's tables and plots) or --plot "
-                             "DIR,DIR,... (pass@k curves)")
+    if (bool(args.run) + bool(args.plot) + bool(args.compare)) != 1:
+        raise CountdownError("give one of --run DIR (a pipeline's tables and plots), --plot "
+                             "DIR,DIR,... (pass@k curves) or --compare DIR,DIR,... (metrics)")
+    if args.compare:
+        first, _, last = args.steps.partition("-")
+        if not (first.isdigit() and last.isdigit()):
+            raise CountdownError(f"--steps {args.steps}: give FIRST-LAST, e.g. 1-10")
+        return compare(args.compare.split(","), args.keys.split(","), int(first), int(last))
     if args.run:
-        return report(args.run)
+        report(args.run)
+        return publish(args.run) if args.publish else None
     plot(args.plot.split(","), args.out)
     print(f"wrote {args.out}")
 

@@ -1,0 +1,355 @@
+"""Graded exercises, in the way of Stanford CS336's alignment assignment: the functions a student
+writes from a blank body (the advantage, the loss, the reward, the KL) and the check that grades each.
+A check calls the function on small hand-computed tensors; every failure starts with the function's
+name and names the property it breaks. Grade one exercise (a blanked body fails as "not written"):
+    python -m pytest tests/test_graded.py -k "rloo_advantages and not grader" -n 0
+(-n 0, not -p no:xdist: pyproject's addopts pass -n, which needs xdist loaded). The last two tests
+grade the graders on the reference code: the blanked body of each function must fail its check as
+not written, and GRADED's plausible mistake must fail with a message that names it. Both build the
+function from the module's source in a fresh namespace: the file is never touched."""
+import ast
+import importlib
+import math
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+
+from benchmarks.handout import blank
+
+
+def fmt(x):
+    """A tensor as nested lists rounded to 4 places (anything else as repr)."""
+    return ((x.detach().double() * 1e4).round() / 1e4).tolist() if isinstance(x, torch.Tensor) else repr(x)
+
+
+def expect(fn, ok, message):
+    """Unless ok, fails with `<fn's name>: <message>` alone: a student reads one line, no traceback."""
+    if not ok:
+        pytest.fail(f"{fn.__name__}: {message}", pytrace=False)
+
+
+def close(fn, got, want, what, atol=1e-5):
+    """Fails with `<name>: <what> should give <want>, got <got>` unless got ≈ want (shape too)."""
+    want = torch.tensor(want, dtype=torch.float64)
+    ok = isinstance(got, torch.Tensor) and got.shape == want.shape
+    ok = ok and torch.allclose(got.detach().double(), want, atol=atol)
+    expect(fn, ok, f"{what} should give {fmt(want)}, got {fmt(got)}")
+
+
+# ---- sft.py, ipo.py ------------------------------------------------------------------------------
+def check_sft_loss(fn):
+    close(fn, fn(torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)), 3.0, "Eq. 1 is the negative log-likelihood "
+          "SUMMED over tokens, not their mean (the caller divides by the step's token count); log-probs [[-1, -2]]")
+    logp, mask = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]]), torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    close(fn, fn(logp, mask), 9.0, "only response tokens count: positions with mask 0 (prompt, padding) are left "
+          "out; log-probs [[-1, -2, -3], [-4, -5, -6]], mask [[0, 1, 1], [1, 0, 0]]")
+
+
+def check_ipo_loss(fn):
+    w, l, rw, rl = (torch.tensor(x) for x in ([-1.0, -3.0], [-3.0, -1.0], [-2.0, -1.0], [-2.0, -3.0]))
+    loss, h = fn(w, l, rw, rl, beta=0.1)
+    close(fn, h, [2.0, -4.0], "the margin h is the log-ratio to π_ref of y_w minus that of y_l (Eq. 2); "
+          "logp_w [-1, -3], logp_l [-3, -1], ref_w [-2, -1], ref_l [-2, -3]")
+    close(fn, loss, [9.0, 81.0], "the loss (h − 1/(2β))² pulls h to the target margin 1/(2β) (Eq. 2); "
+          "h [2, -4], β 0.1")
+    close(fn, fn(rw, rl, rw, rl, beta=0.05)[0], [100.0, 100.0], "a policy equal to its reference has h = 0, "
+          "loss (1/(2β))²; β 0.05")
+
+
+SEQ_LOGP = torch.tensor([[-1.0, -1.0, -4.0], [-2.0, -7.0, -7.0]])
+SEQ_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+SEQ = "log-probs [[-1, -1, -4], [-2, (-7, -7 masked)]]"
+
+
+def check_sequence_logp(fn):
+    close(fn, fn(SEQ_LOGP, SEQ_MASK, False), [-6.0, -2.0], "log π(y|x) sums the response tokens' log-probs "
+          f"(paper 000); {SEQ}")
+    close(fn, fn(SEQ_LOGP, SEQ_MASK, True), [-2.0, -2.0], "length_norm divides by each row's own response-token "
+          f"count mask.sum(-1), not by T (paper 001); {SEQ}")
+
+
+def check_rpo_nll(fn):
+    close(fn, fn(SEQ_LOGP, SEQ_MASK), [2.0, 2.0], "the RPO anchor is the chosen response's mean negative "
+          f"log-likelihood per response token (paper 001); {SEQ}")
+
+
+# ---- rloo.py -------------------------------------------------------------------------------------
+def check_rloo_advantages(fn):
+    adv = fn(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1], [1.0, 0.1, 0.0, 1.0]]))
+    close(fn, adv[0], [1.0, -1 / 3, -1 / 3, -1 / 3], "each rollout's baseline is the mean of the OTHER G-1 "
+          "rewards of its prompt (leave-one-out, Eq. 3); rewards [1, 0, 0, 0]")
+    close(fn, adv[1], [0.0] * 4, "a group of equal rewards gets A = 0 (no signal: the flatline); rewards [0.1] * 4")
+    close(fn, adv[2], [1 - 1.1 / 3, 0.1 - 2 / 3, -2.1 / 3, 1 - 1.1 / 3], "the leave-one-out baseline is taken "
+          "within each prompt's row (B, G); rewards [1, 0.1, 0, 1]")
+    close(fn, fn(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), 0.1), [[0.1, -1 / 3, -1 / 3, -1 / 3]], "positive_weight λ "
+          "scales the positive advantages only (W-REINFORCE, Zhu et al. 2025); rewards [1, 0, 0, 0], λ 0.1")
+
+
+def check_importance_weights(fn):
+    logp = torch.tensor([0.0, 5.0, -1.0], requires_grad=True)
+    w, raw = fn(logp, torch.zeros(3), clip=10.0)
+    close(fn, raw, [1.0, math.exp(5), math.exp(-1)], "the raw weight is the sequence ratio π_θ(y)/μ(y) = "
+          "exp(log π_θ − log μ); log-ratios [0, 5, -1]")
+    close(fn, w, [1.0, 10.0, math.exp(-1)], "w is the raw weight clipped from above at `clip` (w_max, 000 Table 5); "
+          "log-ratios [0, 5, -1], clip 10")
+    expect(fn, not (w.requires_grad or raw.requires_grad), "the weights are detached: w rescales the gradient of "
+           "log π_θ, it is not itself optimized; got weights that require grad")
+
+
+# one rollout: log-probs, response mask (the last token is padding), entropies
+ROLLOUT = torch.tensor([[-1.0, -2.0, -4.0]]), torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[1.0, 3.0, 7.0]])
+HALF, QUARTER = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+K3 = 0.5 - 1 - math.log(0.5)  # r = 0.25 / 0.5
+
+
+def check_k3_kl(fn):
+    close(fn, fn(HALF, QUARTER), [[K3]], "k3 = r − 1 − log r with r = other/π_θ = exp(other_logp − logp) "
+          "(Schulman's k3); π_θ 0.5, other 0.25")
+    logp = HALF.clone().requires_grad_()
+    kl = fn(logp, QUARTER, QUARTER)
+    close(fn, kl, [[2 * K3]], "with sample_logp, k3 is times the ratio π_θ/μ = exp(logp − sample_logp) "
+          "(TRL's use_bias_correction_kl); π_θ 0.5, other = μ 0.25")
+    grad = torch.autograd.grad(kl.sum(), logp)[0] if kl.requires_grad else None
+    close(fn, grad, [[2 * math.log(2)]], "the ratio π_θ/μ is not detached: with it the gradient of k3 is that "
+          "of KL(π_θ ‖ other); d/dlogp at π_θ 0.5, other = μ 0.25")
+
+
+def check_rloo_loss(fn):
+    logp, mask, entropy = ROLLOUT
+    mu = logp + torch.tensor([[0.0, math.log(2), 0.0]])  # μ gave token 2 twice π_θ's probability: w = 0.5
+    k3 = 1 - math.log(2)  # token 2: r = μ/π_θ = 2
+
+    def loss(old, adv=0.5, ent=0.0, kl=0.0, kl_ratio=True, pg_norm="sum"):
+        return fn(logp, old, entropy, mask, torch.tensor([adv]), ent, kl, 10.0, kl_ratio, pg_norm)
+    close(fn, loss(logp)[0], [1.5], "the policy-gradient term is −w·A·log π_θ(y|x), log π_θ(y|x) the sum over "
+          "the response tokens (Eq. 3); w 1, A 0.5, log-probs [-1, -2, (-4 masked)]")
+    out, parts = loss(mu)
+    close(fn, parts["is_weight"], [0.5], "parts['is_weight'] is w = π_θ(y)/μ(y) of the whole sequence; μ gave "
+          "token 2 twice π_θ's probability")
+    close(fn, out, [0.75], "the policy-gradient term is weighted by w = π_θ(y)/μ(y) (Eq. 3); w 0.5, A 0.5")
+    close(fn, loss(logp, adv=0.0, ent=0.1)[0], [-0.2], "the entropy bonus is −λ_H times the mean entropy over "
+          "the response tokens; λ_H 0.1, entropies [1, 3, (7 masked)]")
+    close(fn, loss(mu, adv=0.0, kl=1.0, kl_ratio=False)[0], [k3 / 2], "the KL term is λ_KL times the mean over "
+          "the response tokens of k3_kl(logp, old_logp); kl_ratio False, λ_KL 1, k3 [0, 1 − log 2]")
+    close(fn, loss(mu, adv=0.0, kl=1.0)[0], [k3 / 4], "with kl_ratio each token's k3 is times π_θ/μ (0.5 on token 2)")
+    close(fn, loss(mu, ent=0.1, kl=1.0)[0], [0.75 - 0.2 + k3 / 4], "the loss is the sum of its three terms; A 0.5, "
+          "λ_H 0.1, λ_KL 1")
+    close(fn, loss(logp, pg_norm="mean")[0], [0.75], "pg_norm 'mean' divides the policy-gradient term by the "
+          "rollout's response-token count (2)")
+
+
+# ---- grpo.py -------------------------------------------------------------------------------------
+def check_grpo_advantages(fn):
+    reward = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    adv = fn(reward)
+    close(fn, adv[0], [1.5, -0.5, -0.5, -0.5], "A = (r − the group's mean) / (its unbiased std + ε) (004 Eq. 2); "
+          "rewards [1, 0, 0, 0]: mean 0.25, std 0.5", atol=1e-3)
+    close(fn, adv[1:], [[0.0] * 4] * 2, "a group of equal rewards gets A = 0, never NaN (ε keeps 0/0 away); "
+          "rewards all 0, all 1")
+    close(fn, fn(reward, scale=False)[0], [0.75, -0.25, -0.25, -0.25], "scale=False (Dr. GRPO) only centers: "
+          "A = r − the group's mean; rewards [1, 0, 0, 0]")
+
+
+def check_grpo_loss(fn):
+    logp, old = torch.log(torch.tensor([[1.5, 1.1, 0.5, 0.9]])).requires_grad_(), torch.zeros(1, 4)  # ρ
+    for A, want, clipped, side in ((1.0, [[-1.2, -1.1, -0.5, -0.9]], [[1, 0, 0, 0]], "A > 0 caps ρ at 1 + ε"),
+                                   (-1.0, [[1.5, 1.1, 0.8, 0.9]], [[0, 0, 1, 0]], "A < 0 floors ρ at 1 − ε")):
+        loss, parts = fn(logp, old, None, torch.tensor([A]), beta=0.0, epsilon=0.2)
+        close(fn, loss, want, "per token −min(ρA, clip(ρ, 1 − ε, 1 + ε)·A), PPO's clipped surrogate (004 Eq. 1): "
+              f"{side}; ratios [1.5, 1.1, 0.5, 0.9], ε 0.2")
+        close(fn, parts["clipped"], clipped, f"parts['clipped'] marks the tokens where the clipped term wins; {side}")
+    loss, parts = fn(logp, old, None, torch.tensor([1.0]), beta=0.0, epsilon=0.2, epsilon_high=0.6)
+    close(fn, loss, [[-1.5, -1.1, -0.5, -0.9]], "epsilon_high (DAPO's clip-higher) moves the upper bound only; "
+          "ε 0.2, ε_high 0.6")
+    close(fn, parts["clipped"], [[0] * 4], "parts['clipped'] marks no token under clip-higher; ρ 1.5 < 1 + 0.6")
+    grad = torch.autograd.grad(fn(logp, old, None, torch.tensor([1.0]), beta=0.0, epsilon=0.2)[0].sum(), logp)[0]
+    close(fn, grad, [[0.0, -1.1, -0.5, -0.9]], "the clipped token has no gradient, each other one −ρ; A 1")
+    for kl_ratio in (False, True):
+        loss, parts = fn(HALF, HALF, QUARTER, torch.tensor([0.0]), beta=0.5, epsilon=0.2, kl_ratio=kl_ratio)
+        close(fn, torch.cat([parts["kl"], loss]), [[K3], [0.5 * K3]], "the KL penalty (parts['kl'], then the loss) is "
+              f"β times k3 to π_ref (Eq. 1); A 0, ρ 1, kl_ratio {kl_ratio}, π_θ 0.5, π_ref 0.25, β 0.5")
+
+
+def check_aggregate(fn):
+    per_token, mask = torch.tensor([[2.0, 9.0, 9.0], [1.0, 1.0, 1.0]]), torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    for mode, want, what in (("seq-mean", (2 / 1 + 3 / 3) / 2, "each rollout's token mean, then / n_rows (DeepSeekMath)"),
+                             ("token-mean", (2 + 3) / 4, "the masked sum / n_tokens (DAPO, 002 Eq. 1)"),
+                             ("constant", (2 + 3) / (2 * 4), "the masked sum / (n_rows · max_len) (Dr. GRPO)")):
+        inputs = "; per-token [[2, (9, 9 masked)], [1, 1, 1]], n_rows 2, n_tokens 4, max_len 4"
+        close(fn, fn(per_token, mask, mode, 2, 4, 4), want, f"{mode} is {what}{inputs}")
+        halves = fn(per_token[:1], mask[:1], mode, 2, 4, 4) + fn(per_token[1:], mask[1:], mode, 2, 4, 4)
+        close(fn, halves, want, f"{mode}: micro-batches add up to the batch's loss (each divides by the whole "
+              f"batch's counts, not its own){inputs}, one row a micro-batch")
+
+
+# ---- opd.py, rlt.py ------------------------------------------------------------------------------
+def check_opd_loss(fn):
+    logp, mask, entropy = ROLLOUT
+
+    def loss(old=logp, kl=0.0, rl=0.0, ent=0.0):
+        return fn(logp, old, torch.tensor([[0.2, 0.4, 9.0]]), entropy, mask, torch.tensor([0.5]), kl, rl, ent, 10.0)
+    close(fn, loss(kl=0.5)[0], [0.15], "the distillation term is λ_KL times the teacher KL's mean over the "
+          "response tokens (Algorithm 1 line 5); λ_KL 0.5, KL [0.2, 0.4, (9 masked)]")
+    out, parts = loss(rl=0.5)
+    close(fn, parts["pg"], [1.5], "parts['pg'] is RLOO's −w·A·log π_θ(y|x), summed over the response tokens "
+          "(line 7, Eq. 3); w 1, A 0.5, log-probs [-1, -2, (-4 masked)]")
+    close(fn, out, [0.75], "the RL term is λ_RL times −w·A·log π_θ(y|x) (line 9); λ_RL 0.5")
+    close(fn, loss(ent=0.1)[0], [-0.2], "the entropy bonus is −λ_H times the mean entropy over the response "
+          "tokens (line 8); λ_H 0.1, entropies [1, 3, (7 masked)]")
+    close(fn, loss(kl=0.5, rl=0.5, ent=0.1)[0], [0.7], "the loss is the sum of its three terms (line 9); "
+          "λ_KL 0.5, λ_RL 0.5, λ_H 0.1")
+    close(fn, loss(logp - torch.tensor([[5.0, 0.0, 0.0]]), rl=0.5)[1]["is_weight"], [10.0], "w = π_θ(y)/μ(y) is "
+          "clipped at is_clip (line 6); π_θ/μ = e^5, is_clip 10")
+
+
+RLT_LOGP = torch.tensor([[-9.0, -1.0, -3.0, -0.5, -1.5], [-9.0, -9.0, -9.0, -2.0, -2.0]])
+RLT_SOL, RLT_EXPL = torch.tensor([[0.0, 0, 0, 1, 1]] * 2), torch.tensor([[0.0, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+
+
+def check_reward_parts(fn):
+    parts = fn(RLT_LOGP, torch.tensor([[0.0, 0.2, 0.6, 9.0, 9.0], [0.0, 0.0, 0.0, 9.0, 9.0]]), RLT_SOL, RLT_EXPL)
+    close(fn, parts[0], [-1.0, -1.5, 0.4, 0.6], "a row is [avg, min] of log π_s over the solution's tokens and "
+          "[avg, max] of KL_t over the explanation's (004 Eq. 3-4); log π_s [-9, -1, -3, -0.5, -1.5], "
+          "KL_t [0, 0.2, 0.6, 9, 9], explanation tokens 2-3, solution 4-5")
+    close(fn, parts[1], [-2.0, -2.0, 0.0, 0.0], "an empty explanation gets 0 for both KL terms; row 2")
+    neg = fn(RLT_LOGP, torch.tensor([[5.0, -0.2, -0.6, 9.0, 9.0]] * 2), RLT_SOL, RLT_EXPL)
+    close(fn, neg[:, 2:], [[-0.4, -0.2], [0.0, 0.0]], "the max of KL_t is over the explanation's tokens only, "
+          "never the masked zeros (a sampled KL_t can be negative); KL_t [5, -0.2, -0.6, 9, 9]")
+
+
+def check_rlt_reward(fn):
+    parts = torch.tensor([[-1.0, -1.5, 0.4, 0.6], [-2.0, -2.0, 0.0, 0.0]])
+    r, r_ss, r_kl = fn(parts, [False, True], alpha=0.01, lam=3.0, penalty=-1.0)
+    close(fn, r_ss, [-1.015, -2.02], "r_SS = avg log π_s + α · min log π_s (004 Eq. 3); α 0.01")
+    close(fn, r_kl, [0.406, 0.0], "r_KL = avg KL_t + α · max KL_t (Eq. 4); α 0.01")
+    close(fn, r, [-1.015 - 3 * 0.406, -2.02 - 1], "r = r_SS − λ·r_KL, plus `penalty` ADDED where the explanation "
+          "never closed </think> (Eq. 5, 004 §A.1); λ 3, penalty -1 on row 2")
+
+
+# ---- verifier.py: the reward of RLOO and GRPO (paper 000 §3.1) -----------------------------------
+def ans(expr):
+    return f"<think>...</think>\n<answer>{expr}</answer>"
+
+
+SCORE_CASES = [(ans("(3 + 5) * 4"), 1.0, "a correct expression over exactly the given numbers scores 1.0"),
+               (ans("4*(5+3)"), 1.0, "any order, spacing and parentheses of a correct answer score 1.0"),
+               (ans("3 + 5 + 4"), 0.1, "an answer present but wrong scores 0.1"),
+               (ans("(3 + 3) * 4"), 0.1, "an answer present but not over exactly the given numbers scores 0.1"),
+               (ans(""), 0.1, "an empty answer block is an answer present but invalid: 0.1"),
+               ("(3 + 5) * 4", 0.0, "no <answer>...</answer> block scores 0.0"),
+               ("<answer>(3 + 5) * 4", 0.0, "an unclosed block is no answer: 0.0"),
+               (ans("3 + 5 + 4") + ans("(3 + 5) * 4"), 1.0, "the LAST complete answer block is the answer"),
+               (ans("(3 + 5) * 4") + ans("3 + 5 + 4"), 0.1, "the LAST complete answer block is the answer")]
+
+
+def check_score(fn):
+    for response, want, rule in SCORE_CASES:
+        got = fn(response, [3, 5, 4], 32)
+        expect(fn, got == want, f"{rule}; {response!r} for [3, 5, 4] -> 32 should give {want}, got {got!r}")
+
+
+# ---- the table, and the graders of the graders ---------------------------------------------------
+class Graded(NamedTuple):
+    module: str
+    function: str
+    check: Callable
+    mistake: tuple  # (old, new): a plausible student mistake, an edit of the function's source
+    keyword: str  # what the failure it gets must name
+
+
+GRADED = [
+    Graded("sft", "sft_loss", check_sft_loss, ("-(logp * mask).sum()", "-logp.sum()"), "only response tokens"),
+    Graded("ipo", "ipo_loss", check_ipo_loss, ("1.0 / (2.0 * beta)", "1.0 / beta"), "1/(2β)"),
+    Graded("ipo", "sequence_logp", check_sequence_logp, ("mask.sum(-1).clamp(min=1)", "mask.shape[-1]"), "length_norm"),
+    Graded("ipo", "rpo_nll", check_rpo_nll, ("-(logp_tokens_w", "(logp_tokens_w"), "negative log-likelihood"),
+    Graded("rloo", "rloo_advantages", check_rloo_advantages, ("/ (G - 1)", "/ G"), "leave-one-out"),
+    Graded("rloo", "importance_weights", check_importance_weights, ("raw.clamp(max=clip), raw", "raw, raw"), "clipped"),
+    Graded("rloo", "k3_kl", check_k3_kl, ("log_r = other_logp - logp", "log_r = logp - other_logp"), "r = other/π_θ"),
+    Graded("rloo", "rloo_loss", check_rloo_loss, ("pg = -w * adv", "pg = w * adv"), "policy-gradient term"),
+    Graded("grpo", "grpo_advantages", check_grpo_advantages, ("(reward.std(1, keepdim=True) + eps)",
+                                                              "reward.std(1, keepdim=True)"), "never NaN"),
+    Graded("grpo", "grpo_loss", check_grpo_loss, ("torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A)",
+                                                  "ratio * A"), "clipped surrogate"),
+    Graded("grpo", "aggregate", check_aggregate, ("sum() / max(n_tokens, 1)", "sum() / mask.sum()"), "add up"),
+    Graded("opd", "opd_loss", check_opd_loss, ("(teacher_kl * mask).sum(-1) / n_tok", "teacher_kl.mean(-1)"), "teacher KL"),
+    Graded("rlt", "reward_parts", check_reward_parts, ('kl.masked_fill(expl_mask == 0, float("-inf"))',
+                                                       "(kl * expl_mask)"), "masked zeros"),
+    Graded("rlt", "rlt_reward", check_rlt_reward, ("r_ss - lam * r_kl", "r_ss + lam * r_kl"), "r_SS − λ·r_KL"),
+    Graded("verifier", "score", check_score, ("== target else 0.1", "== target else 0.0"), "present but wrong"),
+]
+IDS = [f"{e.module}.{e.function}" for e in GRADED]
+
+
+def grade(entry, fn):
+    """entry's check on fn; a body that raises NotImplementedError fails as not written yet."""
+    try:
+        return entry.check(fn)
+    except NotImplementedError:
+        pass  # failed below, outside the except: no chained traceback above the one line
+    pytest.fail(f"{entry.function}: not written yet (its body raises NotImplementedError)", pytrace=False)
+
+
+def variant(entry, edit):
+    """entry's function from its module's source, edited by edit(src, tree, node) -> source or tree, and
+    run in a fresh namespace (blank_<module>, with the module's __file__): the file stays untouched."""
+    path = importlib.import_module(entry.module).__file__
+    with open(path, encoding="utf-8") as f:
+        src = f.read()
+    tree = ast.parse(src)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == entry.function)
+    ns = {"__name__": f"blank_{entry.module}", "__file__": path}
+    exec(compile(edit(src, tree, node), path, "exec"), ns)
+    return ns[entry.function]
+
+
+def blanked(entry):
+    """The function as benchmarks/handout.py hands it out: its docstring, then NotImplementedError."""
+    return variant(entry, lambda src, tree, node: blank(src, entry.function))
+
+
+def mistaken(entry):
+    """The function with entry's mistake made in its source (the edit must match it exactly once)."""
+    def make(src, tree, node):
+        (old, new), seg = entry.mistake, ast.get_source_segment(src, node)
+        assert seg.count(old) == 1, f"{entry.module}.{entry.function}: the mistake's {old!r} must occur once in it"
+        return src.replace(seg, seg.replace(old, new))
+    return variant(entry, make)
+
+
+def failure(entry, fn):
+    """The message fn fails its grader with, or None if it passes."""
+    try:
+        grade(entry, fn)
+    except (AssertionError, pytest.fail.Exception) as e:
+        return str(e)
+    return None
+
+
+def reference(entry):
+    """The module's own function. The graders' own tests below need the reference: where the file's
+    function fails its grader (a handout's blank, a student's draft), test_graded says why and they skip."""
+    fn = getattr(importlib.import_module(entry.module), entry.function)
+    if failure(entry, fn) is not None:
+        pytest.skip(f"{entry.module}.{entry.function} is not the reference here: it fails its grader")
+    return fn
+
+
+@pytest.mark.parametrize("entry", GRADED, ids=IDS)
+def test_graded(entry):
+    grade(entry, getattr(importlib.import_module(entry.module), entry.function))
+
+
+@pytest.mark.parametrize("entry", GRADED, ids=IDS)
+def test_a_blanked_function_fails_its_grader(entry):
+    reference(entry)
+    message = failure(entry, blanked(entry))
+    assert message is not None and message.startswith(f"{entry.function}: ") and "not written" in message, message
+
+
+@pytest.mark.parametrize("entry", GRADED, ids=IDS)
+def test_a_wrong_function_fails_its_grader_naming_the_mistake(entry):
+    reference(entry)
+    message = failure(entry, mistaken(entry))
+    assert message is not None and message.startswith(f"{entry.function}: ") and entry.keyword in message, \
+        f"{entry.module}.{entry.function} with {entry.mistake}: {message}"
