@@ -108,7 +108,7 @@ def test_walkthrough_fits_one_card_as_the_readme_prints_it():
     changed (51 GB -> 41 GB) failed."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    section = readme.split("## The 1×H100 walkthrough")[1].split("\n## ")[0]
+    section = readme.split("\n## One H100\n")[1].split("\n## ")[0]
     for step, name, command in memory.WALKTHROUGH:
         assert f"`{command}`" in section, f"README's walkthrough lacks step {step}: {command}"
         e = memory.estimate(command)

@@ -1,0 +1,145 @@
+"""What a reader meets first holds: README's Table 1 is docs/results.json's, every result README
+quotes is that run's, every link resolves, and every exercise runs as printed (for 2 steps)."""
+import glob
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+import report
+from benchmarks.exercises import exercises, run
+from conftest import ROOT
+
+README = open(os.path.join(ROOT, "README.md")).read()
+RESULTS = json.load(open(os.path.join(ROOT, "docs/results.json")))
+
+
+def section(text, title):
+    """The text of `## title` up to the next `## `."""
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_table_1_is_docs_results_json_to_the_digit():
+    table = README.split(report.TABLE_START + "\n", 1)[1].split("\n" + report.TABLE_END, 1)[0]
+    assert table == report.readme_table(RESULTS), \
+        "README's Table 1 is not docs/results.json's: python report.py --run out/cpu --publish"
+
+
+def result_numbers(results):
+    """Every way README may print a number of this run: a pass@k, an interval, a rate (also as a
+    percentage), and the difference of two stages' pass@k."""
+    out = set()
+    for r in results.values():
+        vals = list(r["pass_at_k"].values()) + [r["format_rate"], 1.96 * r["pass_at_1_stderr"]]
+        vals += list(r.get("mistakes", {}).values()) + [r.get("arithmetic", {}).get("false_claims", 0)]
+        vals += [sum(v for k, v in r.get("mistakes", {}).items() if k != "giveup")]
+        vals += [s["share"] for s in r.get("strategies", {}).values()]
+        out |= {f"{v:.3f}" for v in vals} | {f"{100 * v:.1f} %" for v in vals}
+        out |= {f"{100 * v:.0f} %" for v in vals}
+    for k in ("1", "16"):  # a difference as computed, or of the two numbers as printed
+        for a in results.values():
+            for b in results.values():
+                x, y = a["pass_at_k"][k], b["pass_at_k"][k]
+                d = {x - y, round(x, 3) - round(y, 3)}
+                out |= {f"{v:+.3f}" for v in d} | {f"{abs(v):.3f}" for v in d}
+    return out
+
+
+def test_every_result_in_readme_is_the_current_runs():
+    """Outside the H100 walkthrough (the papers' numbers), a number with three decimals or a
+    percentage with one is a result: it must be docs/results.json's, or a difference of two of its
+    pass@k. The table and the findings cannot drift from the run that wrote the file."""
+    text = README.replace(section(README, "One H100"), "")
+    found = re.findall(r"(?<![\w.])(?:[+−-]?\d\.\d{3}|\d+\.\d %)(?![\d.])", text)
+    known = result_numbers(RESULTS)
+    stray = [x for x in found if x.replace("−", "-") not in known and x.lstrip("+−-") not in known]
+    assert found and not stray, f"README quotes numbers docs/results.json does not have: {stray}"
+
+
+def test_readme_is_a_walkthrough_not_a_log():
+    lines = README.splitlines()
+    assert len(lines) <= 260, f"README has {len(lines)} lines (budget 260)"
+    assert "docs/pass_at_k.png" in "\n".join(lines[:40]), "the pass@k picture is within the first 40 lines"
+    titles = [line[3:] for line in lines if line.startswith("## ")]
+    assert titles == ["Quickstart", "What you should see", "Read the code", "One H100", "Exercises",
+                      "When something goes wrong", "Tests", "Files"], titles
+    hashes = re.findall(r"`[0-9a-f]{7,40}`|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", README)
+    assert not hashes, f"README cites commits {hashes}: history goes to docs/results.md"
+    assert not re.findall(r"[Ii]ssue \d+|#\d+\b", README), "README cites issue numbers"
+
+
+def markdown_links(path):
+    """The local targets of [text](target) in a markdown file, inline code left out."""
+    text = re.sub(r"`[^`\n]*`", "", open(path).read())
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if not re.match(r"(https?|mailto):|#", target):
+            yield target.split("#")[0]
+
+
+def test_every_link_in_readme_and_docs_resolves():
+    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs/**/*.md"), recursive=True)
+    broken = [f"{os.path.relpath(p, ROOT)}: {t}" for p in pages for t in markdown_links(p)
+              if not os.path.exists(os.path.join(os.path.dirname(p), t))]
+    code = [p for pattern in ("*.py", "*.sh", "tests/*.py", "benchmarks/*", "pretrained/*/README.md")
+            for p in glob.glob(os.path.join(ROOT, pattern))]
+    broken += [f"{os.path.relpath(p, ROOT)}: {t}" for p in code
+               for t in re.findall(r"docs/[\w/.-]+\.(?:md|json|png|jsonl)", open(p).read())
+               if not os.path.exists(os.path.join(ROOT, t))]
+    assert len(pages) > 10 and not broken, f"links to nothing: {broken}"
+
+
+# README's exercises at toy size: each command as printed, then these flags, which win (argparse
+# keeps the last), in a copy of out/cpu made of the shipped models
+TOY = """#!/usr/bin/env bash
+script=$1; shift
+case $script in
+  sft.py) extra=(--max_steps 2 --eval_every 2 --save_every 1 --batch_size 4 --micro_batch 4
+                 --eval_problems 2 --eval_samples 2 --eval_max_new_tokens 8 --no-compile);;
+  rloo.py|grpo.py|opd.py) extra=(--max_steps 2 --eval_every 2 --save_every 1 --batch_size 2
+                 --group_size 3 --micro_batch 4 --max_response_len 12 --eval_problems 2
+                 --eval_samples 2 --eval_max_new_tokens 8);;
+  evaluate.py) extra=(--num_problems 2 --num_samples 2 --max_new_tokens 8);;
+  report.py) extra=(--steps 1-100000);;
+  *) exec "$PY" "$script" "$@";;
+esac
+exec "$PY" "$ROOT/$script" "$@" "${extra[@]}"
+"""
+SETUP, ITEMS = exercises()
+
+
+@pytest.fixture(scope="module")
+def out_cpu(tmp_path_factory):
+    """A directory whose out/cpu has what the exercises read: the shipped base (standing in for
+    sft too), the teacher, a metrics.jsonl for rloo and grpo, the SFT model's test summary."""
+    d = tmp_path_factory.mktemp("exercises")
+    for name, src in (("base", "tiny-base"), ("sft", "tiny-base"), ("teacher", "tiny-teacher")):
+        shutil.copytree(os.path.join(ROOT, "pretrained", src), d / "out/cpu" / name)
+    for name in ("rloo", "grpo"):
+        rows = [{"step": s, "train/reward": 0.3, "train/zero_adv_groups": 0.2} for s in range(1, 51)]
+        os.makedirs(d / "out/cpu" / name)
+        (d / "out/cpu" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.makedirs(d / "out/cpu/eval/sft")
+    (d / "out/cpu/eval/sft/summary.json").write_text(json.dumps(RESULTS["sft"]))
+    (d / "bin").mkdir()
+    (d / "bin/python").write_text(TOY)
+    (d / "bin/python").chmod(stat.S_IRWXU)
+    return d
+
+
+@pytest.mark.parametrize("number,title,commands", ITEMS, ids=[f"{n}" for n, _, _ in ITEMS])
+def test_each_readme_exercise_runs_as_printed_for_2_steps(number, title, commands, out_cpu):
+    env = dict(os.environ, PATH=f"{out_cpu / 'bin'}:{os.environ['PATH']}", PY=sys.executable, ROOT=ROOT)
+    log = out_cpu / f"{number}.log"
+    rc = run(SETUP, commands, out_cpu, log, env)
+    text = log.read_text()
+    assert rc == 0, f"exercise {number} ({title}) failed:\n{text[-3000:]}"
+    assert "run (steps" in text, f"exercise {number} prints no report.py --compare table"
+    rows = [line for line in text.splitlines() if line.startswith("out/ex/")]
+    assert rows, f"exercise {number} compares none of its own runs"
+    assert not [r for r in rows if re.search(r"\s-(\s|$)", r)], \
+        f"exercise {number} compares a key its runs do not log:\n{text[-1500:]}"
