@@ -95,7 +95,8 @@ logged() {  # logged NAME COMMAND...: run it, its output to OUT/logs/NAME.log wh
 evaluated() {  # evaluated NAME: paper 000's test evaluation (200 problems x 16 samples) of a policy
   local name=$1 summary=$OUT/eval/$1/summary.json
   case $name in base|rlt_sft|rlt|rlt0) return 0;; esac  # no answers yet / a teacher explains given solutions
-  if [[ -f $summary && -z $FORCE && $summary -nt $OUT/$name/wall_seconds ]]; then  # evaluated after it finished
+  # evaluated once the stage had finished: a summary no older than the stage (both can share a timestamp tick)
+  if [[ -f $summary && -z $FORCE && ! $OUT/$name/wall_seconds -nt $summary ]]; then
     echo "== $name: evaluated in $OUT/eval/$name, skipping"; return 0; fi
   echo "== $name: evaluating (200 test problems x 16 samples)"
   echo "+ python evaluate.py --model $OUT/$name --data $DATA --template compact --num_problems 200 --max_new_tokens 160 --out $OUT/eval/$name"

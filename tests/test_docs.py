@@ -93,6 +93,13 @@ def test_every_link_in_readme_and_docs_resolves():
     assert len(pages) > 10 and not broken, f"links to nothing: {broken}"
 
 
+def test_every_study_opens_with_its_question_and_answer():
+    pages = [p for p in glob.glob(os.path.join(ROOT, "docs/studies/*.md")) if not p.endswith("README.md")]
+    lines = {os.path.basename(p): open(p).read().splitlines()[1:3] for p in pages}
+    bad = [n for n, (q, a) in lines.items() if not (q.startswith("**Question:**") and a.startswith("**Answer:**"))]
+    assert len(pages) >= 9 and not bad, f"studies that do not open with their question and answer: {bad}"
+
+
 # README's exercises at toy size: each command as printed, then these flags, which win (argparse
 # keeps the last), in a copy of out/cpu made of the shipped models
 TOY = """#!/usr/bin/env bash
@@ -103,7 +110,7 @@ case $script in
   rloo.py|grpo.py|opd.py) extra=(--max_steps 2 --eval_every 2 --save_every 1 --batch_size 2
                  --group_size 3 --micro_batch 4 --max_response_len 12 --eval_problems 2
                  --eval_samples 2 --eval_max_new_tokens 8);;
-  evaluate.py) extra=(--num_problems 2 --num_samples 2 --max_new_tokens 8);;
+  evaluate.py) extra=(--num_problems 2 --num_samples 16 --max_new_tokens 8);;
   report.py) extra=(--steps 1-100000);;
   *) exec "$PY" "$script" "$@";;
 esac
