@@ -66,7 +66,7 @@ def readme_table(results):
     for n, r in results.items():
         m, wall = r.get("mistakes", {}), r.get("wall_seconds")
         other = sum(v for k, v in m.items() if k != "giveup")
-        wall = "shipped" if not wall else f"{wall // 60}:{wall % 60:02d}"
+        wall = "shipped" if wall == 0 else "—" if wall is None else f"{wall // 60}:{wall % 60:02d}"
         rows.append(f"| `{n}` | {WHAT.get(n, '')} | {r['pass_at_k']['1']:.3f} ± "
                     f"{1.96 * r['pass_at_1_stderr']:.3f} | {r['pass_at_k']['16']:.3f} | "
                     f"{100 * r['format_rate']:.1f} % | {100 * m.get('giveup', 0):.1f} % | "

@@ -57,7 +57,7 @@ def test_every_result_in_readme_is_the_current_runs():
     text = README.replace(section(README, "One H100"), "")
     found = re.findall(r"(?<![\w.])(?:[+−-]?\d\.\d{3}|\d+\.\d %)(?![\d.])", text)
     known = result_numbers(RESULTS)
-    stray = [x for x in found if x.replace("−", "-") not in known and x.lstrip("+−-") not in known]
+    stray = [x for x in found if x.replace("−", "-") not in known]
     assert found and not stray, f"README quotes numbers docs/results.json does not have: {stray}"
 
 
