@@ -2,7 +2,6 @@
 rule that a finished run is never overwritten silently (`--overwrite`), and what a non-finite
 step does (`--skip_nonfinite`). Every training script calls these the same way; nothing here
 knows an algorithm."""
-import contextlib
 import math
 import os
 import random
@@ -57,28 +56,6 @@ def save_checkpoint(model, tokenizer, output_dir):
 
 
 STATE_KEEP = 2  # resumable states kept in OUTPUT_DIR/state/ (the newest)
-
-
-def prepare_run(output_dir, resume="", overwrite=False):
-    """Before a script writes anything, the dir it will write to: `--resume DIR` continues the run
-    in DIR; else a non-empty output_dir is refused unless --overwrite, which clears what a run
-    appends to."""
-    if resume:
-        if not latest_state(resume):
-            raise CountdownError(
-                f"--resume {resume}: no saved training state in {resume}/state "
-                "(runs save one every --save_every steps); start it again with --overwrite")
-        return resume
-    if os.path.isdir(output_dir) and os.listdir(output_dir):
-        if not overwrite:
-            raise CountdownError(
-                f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
-                f"--resume {output_dir} to continue it, or another --output_dir")
-        shutil.rmtree(os.path.join(output_dir, "state"), ignore_errors=True)
-        for name in ("metrics.jsonl", "probe.jsonl"):  # probe.jsonl: curriculum.probe's
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(output_dir, name))
-    return output_dir
 
 
 def latest_state(output_dir):

@@ -1,9 +1,7 @@
-"""The command line and the run around every script: Args (one base dataclass per family of scripts,
-each field with its --help), one-line errors, seeds, devices and training precision, the log.
-Nothing here knows an algorithm; data.py has the tasks, models.py the models, logprobs.py the
-log-probs."""
+"""The command line and the log around every script: Args in two levels (TrainArgs for every
+trainer, RLArgs for the RL ones; a script's Args adds its own), each field with its --help, one-line
+errors, seeds, thread counts, metrics.jsonl. Nothing here knows an algorithm."""
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -67,6 +65,9 @@ class TrainArgs:
     eval_problems: int = arg(200, "held-out problems per evaluation")
     eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
+    decode: str = arg("auto", "the HF sampler's decode loop: auto (the faster here: fast_decode.py's) "
+                              "| plain (sampler.py's, over transformers' cache) | dynamic | static "
+                              "| graph (sampler.HFSampler)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
     save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 "
@@ -118,48 +119,6 @@ class RLArgs(TrainArgs):
         """RL runs set a constant lr each step, after an optional linear warm-up (no scheduler)."""
         return {**super().run_options(output_dir), "lr": self.lr, "warmup_steps": self.warmup_steps,
                 "term_grads": self.term_grads}
-
-
-@dataclasses.dataclass
-class VerifierRLArgs(RLArgs):
-    """RL on the verifier's reward: rloo, grpo and opd (rlt's reward is its student's)."""
-    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
-                                "near misses (001)")
-    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
-                                   "the budget cuts many searches short, or the 0.1 pays for "
-                                   "claiming success falsely (docs/studies/arithmetic.md)")
-    no_answer_reward: float = arg(0.0, "sparse reward of a rollout without a complete answer (000: "
-                                       "0); at 0 with a negative --wrong_reward, a search cut "
-                                       "short beats a wrong answer, so the policy learns not to "
-                                       "answer (docs/studies/strategies.md)")
-
-    def reward_options(self):
-        return {"reward": self.reward, "wrong_reward": self.wrong_reward,
-                "no_answer_reward": self.no_answer_reward}
-
-
-@dataclasses.dataclass
-class CurriculumArgs(VerifierRLArgs):
-    """Verifier RL that chooses its problems by difficulty: rloo and grpo (curriculum.py)."""
-    curriculum: str = arg("none", "none | tiers (001 Alg. 1: success-gated tiers by operand count, "
-                                  "then target) | filter (002 §5.2: only problems the init solves "
-                                  "sometimes, by a probe)")
-    curriculum_bins: int = arg(3, "tiers: target bins per operand count")
-    curriculum_window: int = arg(10, "tiers: W, the steps of rollout accuracy averaged (001 gives "
-                                     "no value)")
-    curriculum_threshold: float = arg(0.6, "tiers: τ, the window's mean accuracy that unlocks the "
-                                           "next tier (001 gives no value)")
-    probe_problems: int = arg(1024, "filter (and grpo's --adaptive_temperature): the first N train "
-                                    "problems the init is probed on; training draws from these")
-    probe_samples: int = arg(4, "samples of the init per probed problem, at --temperature")
-
-    def curriculum_options(self):
-        """curriculum.setup_curriculum's flags as keyword arguments."""
-        return dict(mode=self.curriculum, probe_problems=self.probe_problems,
-                    probe_samples=self.probe_samples, template=self.template,
-                    max_prompt_len=self.max_prompt_len, temperature=self.temperature,
-                    max_new_tokens=self.max_response_len, bins=self.curriculum_bins,
-                    window=self.curriculum_window, threshold=self.curriculum_threshold)
 
 
 def check_choice(flag, value, choices):
@@ -214,51 +173,6 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def device_and_dtype():
-    """bf16 on a GPU (what the papers trained in), fp32 on CPU (sampling and inference stay fp32
-    there)."""
-    return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
-
-
-def cpu_bf16():
-    """Whether training forwards on this CPU compute in bf16: yes where it has native bf16 dot
-    products (AVX512-BF16 or AMX), where bf16 matmuls ran 3.6x faster than fp32 ones (README,
-    performance); elsewhere they are emulated and slow. COUNTDOWN_CPU_BF16=0 or 1 overrides (0
-    reproduces the fp32 numbers)."""
-    if os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1"):
-        return os.environ["COUNTDOWN_CPU_BF16"] == "1"
-    return any(
-        getattr(torch.cpu, f, lambda: False)()
-        for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
-def trains_in_bf16(device):
-    """Whether training forwards on `device` compute in bf16 (autocast below): on a GPU always, on a
-    CPU where cpu_bf16(). Every script records it in args.json as `train_compute`."""
-    return device == "cuda" or cpu_bf16()
-
-
-@contextlib.contextmanager
-def autocast(device, *models):
-    """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
-    AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
-    (cpu_bf16()), with the `models` switched to eager attention meanwhile: the CPU's fused
-    attention is 4x slower in bf16 backward, while its eager matmuls gain like the others
-    (measured: one SFT step 0.35 s fp32, 0.32 s bf16 fused, 0.20 s bf16 eager). Without `models`,
-    or on another CPU, plain fp32: sampling is fastest that way here."""
-    models = [m for m in models if m is not None
-              ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
-    before = [m.config._attn_implementation for m in models]
-    try:
-        for m in models:
-            m.set_attn_implementation("eager")
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or bool(models)):
-            yield
-    finally:
-        for m, impl in zip(models, before):
-            m.set_attn_implementation(impl)
-
-
 # ---- logging -------------------------------------------------------------------------------------
 CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc",
            "train/token_acc": "tok_acc", "eval/loss": "eval_loss", "eval/pass@1": "pass@1",
@@ -271,10 +185,7 @@ class Logger:
     def __init__(self, output_dir, total_steps, config=None, wandb_project="", start_step=0):
         from tqdm import tqdm
         os.makedirs(output_dir, exist_ok=True)
-        # the run's arguments, and the precision its training forwards compute in
-        if config is not None:
-            compute = "bf16" if trains_in_bf16(device_and_dtype()[0]) else "fp32"
-            config = {**config, "train_compute": compute}
+        if config is not None:  # the run's arguments
             with open(os.path.join(output_dir, "args.json"), "w") as f:
                 json.dump(config, f, indent=1)
         path = os.path.join(output_dir, "metrics.jsonl")

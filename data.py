@@ -1,13 +1,16 @@
-"""Countdown tasks and prompts: the generator's splits, JSONL files and hub datasets (with a
-one-line error, and the embedded alternative, when the hub cannot be reached), and the prompt
-templates."""
+"""What every script trains and evaluates on: Countdown tasks (the generator's splits, JSONL files
+and hub datasets, with a one-line error naming the embedded alternative when the hub cannot be
+reached), the prompt templates, sft.py's examples, ipo.py's solver pairs, and the RL scripts'
+curriculum."""
 import json
 import os
+import random
 import re
 import socket
 
 import verifier
 from common import CountdownError
+from traces import MISTAKES, arith_text, flip_operator, make_trace, parse_mix
 
 # ---- prompts ---------------------------------------------------------------------------
 # TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the
@@ -185,3 +188,126 @@ def load_tasks(data, split, n=None):
     if not rows:
         raise CountdownError(f"no tasks in {data} ({split})")
     return [{"nums": list(r["nums"]), "target": r["target"]} for r in rows[:n]]
+
+
+# ---- what sft.py and ipo.py train on --------------------------------------------------------------
+# the unverified source's mistakes, the analog of LLM-written traces: 63 % wrong, 37 % correct
+LLM_MISTAKES = "slip:0.25,reuse:0.15,giveup:0.15,malformed:0.08"
+
+
+def parse_mixes(strategies, mistakes):
+    """--strategies and --mistakes as traces.make_trace's `mix` and `mistakes`, or one line."""
+    try:
+        return parse_mix(strategies), parse_mix(mistakes, MISTAKES, rates=True)
+    except ValueError as e:
+        raise CountdownError(f"--strategies / --mistakes: {e}") from None
+
+
+def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses=0.0,
+             fixed_traces=False, seed=0, mix=None, mistakes=None, verified=False, rebuild=False):
+    """sft.py's examples: prompts and a function rng -> responses. Solver traces of generated
+    problems (new ones each call: another solution path, other dead ends; each trace's strategy
+    drawn from `mix`, its mistakes from `mistakes`), plain arithmetic over their numbers (no
+    prompt: the whole text is the target, 4 random paths a row), or a dataset's fixed
+    query/completion pairs. (RLT's teacher format, `rlt:`, is rlt_data.teacher_sft_data.)"""
+    kind, _, spec = data.partition(":")
+    if kind in ("gen", "arith"):
+        tasks = load_tasks("gen:" + spec, split, n or 20_000)
+        if kind == "arith":
+            nums = [t["nums"] for t in tasks]
+            return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng)
+                                                   for i in range(len(nums))]
+        def write(rng):  # with `verified`, 001's gate: a trace the scorer rejects becomes None
+            out = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix, mistakes)
+                   for t in tasks]
+            return [x if not verified or verifier.score(x, t["nums"], t["target"]) == 1.0 else None
+                    for x, t in zip(out, tasks)]
+        fixed = write(random.Random(seed)) if fixed_traces else None
+        return [make_prompt(t["nums"], t["target"], template) for t in tasks
+                ], lambda rng: fixed or write(rng)
+    if verified:
+        raise CountdownError("--verified gates generated traces (--data gen:...): a dataset's rows "
+                             "are taken as they are")
+    if os.path.exists(data):
+        rows = file_split(load_records(data, "train", ["query", "completion"]), split,
+                          eval_problems)
+    else:
+        rows = load_records(data, "train" if split == "train" else "test", ["query", "completion"])
+    rows = rows[:n or None]  # queries: the prompts RL and evaluate.py build (data.match_prompts)
+    return match_prompts([r["query"] for r in rows], template, data, rebuild), lambda rng: [
+        r["completion"] for r in rows]
+
+
+def solver_pairs(tasks, template, rng):
+    """Paper 001's scripted preference pairs: (prompt, a solver trace, the same trace with one
+    operator of its answer flipped), for the tasks whose answer has a flip that misses."""
+    out = []
+    for t in tasks:
+        trace = make_trace(t["nums"], t["target"], rng)
+        answer = verifier.extract_answer(trace)
+        neg = flip_operator(answer, t["nums"], t["target"], rng)
+        if neg is not None:
+            out.append((make_prompt(t["nums"], t["target"], template), trace,
+                        trace.replace(f"<answer>{answer}</answer>", f"<answer>{neg}</answer>")))
+    return out
+
+
+# ---- curriculum: which problems an RL step draws, by difficulty (rloo.py's and grpo.py's) -------
+#   tiers   paper 001 Algorithm 1: tiers T_0..T_{m-1} by (operand count, target bin), easiest
+#           first. A step draws uniformly from T_0 ∪ ... ∪ T_level; when the mean rollout accuracy
+#           of the last W steps reaches τ, the next tier unlocks and the window clears.
+#   filter  paper 002 §5.2: only problems the init solves sometimes (sampler.probe measures each).
+#           A problem the init always or never solves makes groups of equal rewards: A = 0.
+# Departures: 001 gives no W or τ (ours: 10 steps, 0.6); 002 filters by one SFT answer per problem
+# (ours: k samples, and "sometimes" rather than "right").
+def tiers(tasks, bins):
+    """001 Algorithm 1, line 1: task indices in tiers, by operand count, then `bins` equal-count
+    bins of the target within each count; smaller counts and targets first."""
+    out = []
+    for count in sorted({len(t["nums"]) for t in tasks}):
+        idx = sorted((i for i, t in enumerate(tasks) if len(t["nums"]) == count),
+                     key=lambda i: tasks[i]["target"])
+        out += [idx[len(idx) * b // bins: len(idx) * (b + 1) // bins] for b in range(bins)]
+    return [tier for tier in out if tier]
+
+
+class Curriculum:
+    """The tiers unlocked so far (001 Algorithm 1, lines 2-8). One tier of every problem (`none`)
+    or of the probed ones the init solves sometimes (`filter`) never moves."""
+
+    def __init__(self, tiers, window, threshold, level=0, recent=()):
+        self.tiers, self.window, self.threshold = tiers, window, threshold
+        self.level, self.recent = level, list(recent)  # `recent`: the window's accuracies
+
+    def pool(self):
+        """Indices of the problems a step may draw: T_0 ∪ ... ∪ T_level."""
+        return [i for tier in self.tiers[:self.level + 1] for i in tier]
+
+    def update(self, accuracy):
+        """Push a step's rollout accuracy; unlock the next tier when the full window's mean
+        reaches τ (lines 5-7). Returns the train/ metrics of a curriculum that can move."""
+        if len(self.tiers) == 1:
+            return {}
+        self.recent = (self.recent + [accuracy])[-self.window:]
+        if (len(self.tiers) > self.level + 1 and len(self.recent) == self.window
+                and sum(self.recent) / self.window >= self.threshold):
+            self.level, self.recent = self.level + 1, []
+        return {"train/curriculum_level": self.level, "train/pool": len(self.pool())}
+
+    def state(self):
+        return {"level": self.level, "recent": self.recent}
+
+
+def make_curriculum(mode, tasks, bins, window, threshold, state=None):
+    """The Curriculum of --curriculum `mode` (none | tiers | filter) over `tasks`; `filter` needs
+    the probe's task["solve_rate"] first and keeps the probed problems with 0 < rate < 1. `state`:
+    a resumed run's level and window."""
+    if mode == "tiers":
+        return Curriculum(tiers(tasks, bins), window, threshold, **(state or {}))
+    if mode == "filter":
+        keep = [i for i, t in enumerate(tasks) if 0 < t.get("solve_rate", 0) < 1]
+        if not keep:
+            raise CountdownError("--curriculum filter: the init solves every probed problem always "
+                                 "or never; probe more (--probe_problems, --probe_samples)")
+        return Curriculum([keep], window, threshold)
+    return Curriculum([list(range(len(tasks)))], window, threshold)

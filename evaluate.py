@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import comb
 
-import torch
 from tqdm import tqdm
 
-from common import arg, autocast, cli, device_and_dtype, parse_args, seed_everything
+from common import arg, cli, parse_args, seed_everything
 from data import load_tasks, make_prompt, read_jsonl, write_jsonl
+from logprobs import device_and_dtype
 from models import load_model
 from report import format_table, format_verification
 from sampler import HFSampler, make_sampler
-from traces import arithmetic, mistake_shares, strategy_metrics, strategy_stats
+from traces import arithmetic, mistake_shares, strategy_stats
 from verifier import score
 
 
@@ -167,27 +167,6 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
         records.append({"nums": t["nums"], "target": t["target"], "completions": texts,
                         "scores": [score(x, t["nums"], t["target"]) for x in texts]})
     return summarize(records), records
-
-
-def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler=None):
-    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed
-    sampler. `sampler`: the script's own (a vLLM engine is woken and synced to `model` first);
-    None: HF sampling with `model`."""
-    was_training = model.training
-    model.eval()
-    if sampler is not None:
-        sampler.wake()
-        sampler.sync(model)
-    with torch.no_grad(), autocast(model.device.type):
-        summary, _ = evaluate(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens,
-                              template=template, seed=seed, sampler=sampler)
-    if sampler is not None:
-        sampler.sleep()
-    model.train(was_training)
-    return {"eval/format_rate": summary["format_rate"],
-            **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
-            **strategy_metrics("eval", summary["strategies"]),
-            **{f"eval/mistake/{k}": v for k, v in summary["mistakes"].items()}}
 
 
 def write_results(out, summary, records):

@@ -31,20 +31,17 @@ from functools import partial
 
 import torch
 
-from checkpoints import prepare_run
-from common import (CurriculumArgs, arg, autocast, check_choice, check_rl_args, cli, parse_args,
+from common import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
                     seed_everything)
-from curriculum import parse_temperatures, row_temperatures, setup_curriculum
-from data import load_tasks
-from evaluate import eval_metrics
-from logprobs import token_stats
-from loop import Run, load_policy, loss_rows, mix_reference, rollout_metrics, step_seed
-from models import frozen_copy
-from sampler import make_sampler, micro_batches, rollouts, score_rollouts
+from data import load_tasks, make_curriculum
+from logprobs import autocast, micro_batches, token_stats
+from loop import (Run, eval_metrics, frozen_copy, load_policy, loss_rows, mix_reference,
+                  prepare_run, rollout_metrics, step_seed)
+from sampler import make_sampler, probe, rollouts, score_rollouts
 
 
 @dataclass
-class Args(CurriculumArgs):
+class Args(RLArgs):
     # shared, with this script's defaults (002 §5.1's Countdown recipe; 004 Table 6 in the help)
     init: str = arg("out/sft",
                     "checkpoint to start from (the SFT model); also the frozen reference")
@@ -96,6 +93,25 @@ class Args(CurriculumArgs):
     tis_cap: float = arg(0.0, "C of truncated importance sampling: each token's surrogate times "
                               "min(π_old/π_sampler, C), for a bf16 engine (TRL: 3, verl: 2; 0: "
                               "off)")
+
+    # the reward and the curriculum (data.py), as in rloo.py
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
+                                "near misses (001)")
+    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
+                                   "the 0.1 pays for claiming success falsely "
+                                   "(docs/studies/arithmetic.md)")
+    no_answer_reward: float = arg(0.0, "sparse reward of a rollout without a complete answer (000: "
+                                       "0; docs/studies/strategies.md)")
+    curriculum: str = arg("none", "none | tiers (001 Alg. 1: success-gated tiers by operand count, "
+                                  "then target) | filter (002 §5.2: problems the init solves "
+                                  "sometimes)")
+    curriculum_bins: int = arg(3, "tiers: target bins per operand count")
+    curriculum_window: int = arg(10, "tiers: W, steps of rollout accuracy averaged (001: none)")
+    curriculum_threshold: float = arg(0.6, "tiers: τ, the mean accuracy that unlocks the next tier "
+                                           "(001: none)")
+    probe_problems: int = arg(1024, "filter and --adaptive_temperature: the first N train problems "
+                                    "the init is probed on")
+    probe_samples: int = arg(4, "filter: samples of the init per probed problem, at --temperature")
 
 
 def grpo_advantages(reward, scale=True, eps=1e-4):
@@ -152,6 +168,29 @@ def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
     return (per_token * mask).sum() / (n_rows * max_len)                               # constant
 
 
+def parse_temperatures(adaptive, backend, bottom_p):
+    """--adaptive_temperature as (T_easy, T_hard), or () when off; one line for what cannot run."""
+    if bottom_p < 1 and backend != "hf":
+        raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
+    try:
+        temps = tuple(float(x) for x in adaptive.split(",")) if adaptive else ()
+    except ValueError:
+        temps = None
+    if temps is None or len(temps) not in (0, 2) or any(t <= 0 for t in temps or ()):
+        raise CountdownError("--adaptive_temperature must be EASY,HARD (e.g. 0.6,1.5), not "
+                             f"{adaptive!r}")
+    return temps
+
+
+def row_temperatures(batch, G, T, T_easy_hard):
+    """002 §5.2's adaptive temperature: explore what the init fails, exploit what it solves. The
+    sampler's T (one per prompt, or T) and the trainer's (one per rollout (B*G,), or T)."""
+    if not T_easy_hard:
+        return T, T
+    per_prompt = [T_easy_hard[t["solve_rate"] < 0.5] for t in batch]
+    return per_prompt, torch.tensor(per_prompt).repeat_interleave(G)
+
+
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward, args.curriculum)
@@ -165,17 +204,19 @@ def main(argv=None):
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len)
+                           args.max_prompt_len + args.max_response_len, args.decode)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
               **args.run_options(output_dir))
-    # 001's tiers or 002's filter (curriculum.py); adaptive temperature needs the probe too
-    tasks, curriculum = setup_curriculum(tasks, sampler, model, tok, output_dir,
-                                         run.extra.get("curriculum"), step_seed(args.seed, 0),
-                                         probe_always=bool(T_easy_hard),
-                                         **args.curriculum_options())
+    if args.curriculum == "filter" or T_easy_hard:  # 002 §5.2: the init's solve rate per problem
+        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
+                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
+                      step_seed(args.seed, 0), f"{output_dir}/probe.jsonl")
+    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,  # none: all, always
+                                 args.curriculum_window, args.curriculum_threshold,
+                                 run.extra.get("curriculum"))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----
@@ -186,7 +227,8 @@ def main(argv=None):
                       args.bottom_p_freq)
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, **args.reward_options())  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward,
+                                        args.no_answer_reward)                 # (B*G,), (B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
         keep, n_tok = loss_rows(ro, args.mask_truncated)  # (B*G,), response tokens in the loss
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----

@@ -22,16 +22,11 @@ from functools import partial
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from checkpoints import prepare_run
-from common import CountdownError, TrainArgs, arg, autocast, cli, parse_args, seed_everything
-from data import load_records, load_tasks, make_prompt
-from evaluate import eval_metrics
-from logprobs import token_stats, tokenize_pairs
-from loop import Run, StepStats, load_policy
-from models import frozen_copy
-from sampler import make_sampler
-from traces import flip_operator, make_trace
-from verifier import dense_score, extract_answer, score
+from common import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
+from data import load_records, load_tasks, make_prompt, solver_pairs
+from logprobs import autocast, token_stats, tokenize_pairs
+from loop import Run, StepStats, eval_metrics, frozen_copy, load_policy, prepare_run
+from sampler import make_sampler, score_rollouts
 
 
 @dataclass
@@ -108,27 +103,21 @@ def build_pairs(pairs, data, num_prompts, template, sampler, group_size, tempera
         return [(r["prompt"], r["chosen"], r["rejected"]) for r in rows
                 ], f"{len(rows)} pairs from {pairs}"
     tasks = load_tasks(data, "train", num_prompts)
+    rng = random.Random(seed)
+    if pairs == "solver":  # paper 001 "scripted": a solver trace vs the same trace, operator flipped
+        out = solver_pairs(tasks, template, rng)
+        return out, f"{len(out)} solver pairs from {len(tasks)} prompts"
+    # the init's samples: a right one and a wrong one of the same prompt
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
-    rng, out = random.Random(seed), []
-    # paper 001 "scripted": a solver trace vs the same trace, operator flipped
-    if pairs == "solver":
-        for p, t in zip(prompts, tasks):
-            trace = make_trace(t["nums"], t["target"], rng)
-            neg = flip_operator(extract_answer(trace), t["nums"], t["target"], rng)
-            if neg is not None:
-                wrong = trace.replace(f"<answer>{extract_answer(trace)}</answer>",
-                                      f"<answer>{neg}</answer>")
-                out.append((p, trace, wrong))
-        return out, f"{len(out)} solver pairs from {len(prompts)} prompts"
-    # the init's samples
     ro = sampler.generate(prompts, group_size, temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()
-    for i, (p, t) in enumerate(zip(prompts, tasks)):
+    scores, dense = score_rollouts(ro, tasks, "dense")  # (N*G,) 1 / 0.1 / 0, (N, G) 001's credit
+    scores, out = scores.view(-1, group_size), []
+    for i, p in enumerate(prompts):
         texts = ro.texts[i * group_size:(i + 1) * group_size]
-        good = [x for x in texts if score(x, t["nums"], t["target"]) == 1.0]
-        near = rejected == "near_miss"  # right numbers, wrong value; else any wrong answer
-        bad = [x for x in texts if (dense_score(x, t["nums"], t["target"]) > 0.1 if near
-                                    else score(x, t["nums"], t["target"]) < 1.0)]
+        good = [x for x, s in zip(texts, scores[i]) if s == 1]
+        near = rejected == "near_miss"  # right numbers, wrong value (credit above a wrong answer's)
+        bad = [x for x, s, d in zip(texts, scores[i], dense[i]) if (d > s if near else s < 1)]
         if good and bad:  # prompts the model always or never solves give no pair
             out.append((p, rng.choice(good), rng.choice(bad)))
     return out, f"{len(out)} on-policy pairs from {len(prompts)} prompts x {group_size} samples"
@@ -172,7 +161,7 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options())
     ref = frozen_copy(model)  # π_ref: the frozen init (bf16 on a GPU)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_new_tokens)
+                           args.max_prompt_len + args.max_new_tokens, args.decode)
     pairs, report = build_pairs(args.pairs, args.data, args.num_prompts, args.template, sampler,
                                 args.group_size, args.temperature, args.max_new_tokens,
                                 args.rejected, args.seed)

@@ -1,10 +1,60 @@
-"""From text to the trainer's tensors: prompt/response packing with response masks, and chunked
-log-probs, entropy and KL over the vocabulary, so no (B, T, V) logits tensor ever exists."""
+"""The training forward: the precision it computes in (autocast), the trainer's tensors (prompt and
+response packed with response masks; rollouts in micro-batches), and chunked log-probs, entropy and
+KL over the vocabulary, so no (B, T, V) logits tensor ever exists."""
+import contextlib
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common import CountdownError
+
+
+# ---- the precision a training forward computes in ---------------------------------------------
+def device_and_dtype():
+    """bf16 on a GPU (what the papers trained in), fp32 on CPU (sampling and inference stay fp32
+    there)."""
+    return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+
+
+def cpu_bf16():
+    """Whether training forwards on this CPU compute in bf16: yes where it has native bf16 dot
+    products (AVX512-BF16 or AMX), where bf16 matmuls ran 3.6x faster than fp32 ones (README,
+    performance); elsewhere they are emulated and slow. COUNTDOWN_CPU_BF16=0 or 1 overrides (0
+    reproduces the fp32 numbers)."""
+    if os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1"):
+        return os.environ["COUNTDOWN_CPU_BF16"] == "1"
+    return any(
+        getattr(torch.cpu, f, lambda: False)()
+        for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def trains_in_bf16(device):
+    """Whether training forwards on `device` compute in bf16 (autocast below): on a GPU always, on a
+    CPU where cpu_bf16(). Every script records it in args.json as `train_compute`."""
+    return device == "cuda" or cpu_bf16()
+
+
+@contextlib.contextmanager
+def autocast(device, *models):
+    """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
+    AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
+    (cpu_bf16()), with the `models` switched to eager attention meanwhile: the CPU's fused
+    attention is 4x slower in bf16 backward, while its eager matmuls gain like the others
+    (measured: one SFT step 0.35 s fp32, 0.32 s bf16 fused, 0.20 s bf16 eager). Without `models`,
+    or on another CPU, plain fp32: sampling is fastest that way here."""
+    models = [m for m in models if m is not None
+              ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
+    before = [m.config._attn_implementation for m in models]
+    try:
+        for m in models:
+            m.set_attn_implementation("eager")
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or bool(models)):
+            yield
+    finally:
+        for m, impl in zip(models, before):
+            m.set_attn_implementation(impl)
 
 
 # ---- tokenization with response masks ------------------------------------------------------------
@@ -132,3 +182,38 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
         return torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
     return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
             for k, name in enumerate(("logp", "entropy", "kl", "correct"))}
+
+
+# ---- rollouts as trainer tensors -----------------------------------------------------------------
+def rollout_batch(ro, rows, pad_id):
+    """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut
+    to these rows' longest, and the sampler's log-probs (b, T-1) aligned with token_stats'
+    outputs."""
+    n = len(ro.completion_ids) // len(ro.prompt_ids)
+    ids, attn, mask = pack([ro.prompt_ids[r // n] for r in rows],
+                           [ro.completion_ids[r] for r in rows], pad_id)
+    sel = mask[:, 1:].bool()
+    lp = torch.tensor([x for r in rows for x in ro.logprobs[r]], dtype=torch.float32)
+    return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
+
+
+def micro_batches(ro, size, pad_id, device):
+    """(rows, input_ids, attention_mask, completion mask, sampler log-probs) per micro-batch of
+    `size` rollouts, on `device`. Rows are sorted by length first, so a micro-batch holds like
+    lengths and little padding (the step's loss is a sum over rollouts: their order is free)."""
+    by_len = sorted(range(len(ro.completion_ids)), key=lambda r: len(ro.completion_ids[r]))
+    for s in range(0, len(by_len), size):
+        rows = by_len[s:s + size]
+        yield (rows, *(x.to(device) for x in rollout_batch(ro, rows, pad_id)))
+
+
+@torch.no_grad()
+def logprob_gap(model, tokenizer, ro, temperature):
+    """Mean |trainer − sampler| log-prob over every sampled token of `ro`, in one pass: what the RL
+    scripts log as train/sampler_gap, for checking a sampler (tests/test_vllm.py,
+    benchmarks/gpu_smoke.py)."""
+    rows = list(range(len(ro.completion_ids)))
+    ids, attn, mask, sampler_logp = (x.to(model.device)
+                                     for x in rollout_batch(ro, rows, tokenizer.pad_token_id))
+    logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
+    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()

@@ -3,17 +3,45 @@ the data order, the optimizer step with its finite check, the periodic evaluatio
 resumable state, and the log; `StepStats` adds up a step's metrics over its micro-batches;
 `rollout_metrics` are paper 001's flatline diagnostics of an RL batch. Nothing here knows an
 algorithm."""
+import contextlib
+import copy
 import os
 import random
+import shutil
 import time
 import warnings
 
 import torch
 
-from checkpoints import load_state, save_checkpoint, save_state, step_is_finite
-from common import CountdownError, Logger, follow_threads, trains_in_bf16
-from models import frozen_dtype, load_model
+from checkpoints import latest_state, load_state, save_checkpoint, save_state, step_is_finite
+from common import CountdownError, Logger, follow_threads
+from evaluate import evaluate as run_eval
+from logprobs import autocast, trains_in_bf16
+from models import check_same_tokenizer, frozen_dtype, load_model
+from sampler import HFSampler
 from traces import mistake_shares, strategy_metrics, strategy_stats
+
+
+def prepare_run(output_dir, resume="", overwrite=False):
+    """Before a script writes anything, the dir it will write to: `--resume DIR` continues the run
+    in DIR; else a non-empty output_dir is refused unless --overwrite, which clears what a run
+    appends to."""
+    if resume:
+        if not latest_state(resume):
+            raise CountdownError(
+                f"--resume {resume}: no saved training state in {resume}/state "
+                "(runs save one every --save_every steps); start it again with --overwrite")
+        return resume
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        if not overwrite:
+            raise CountdownError(
+                f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
+                f"--resume {output_dir} to continue it, or another --output_dir")
+        shutil.rmtree(os.path.join(output_dir, "state"), ignore_errors=True)
+        for name in ("metrics.jsonl", "probe.jsonl"):  # probe.jsonl: curriculum.probe's
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(output_dir, name))
+    return output_dir
 
 
 def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, lora_alpha=0.0,
@@ -61,6 +89,19 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
         # a loss unless ~300 steps are left. It keeps the threads it started with
         os.environ.pop("COUNTDOWN_THREADS_FILE", None)  # (common.follow_threads)
     return model, tok, device
+
+
+def load_frozen(name, device, tok, policy_name):
+    """A model that never trains (a teacher, a student), in frozen_dtype; it must share the policy's
+    tokenizer."""
+    model, other_tok = load_model(name, device, frozen_dtype(device))
+    check_same_tokenizer(tok, other_tok, policy_name, name)
+    return model.eval().requires_grad_(False)
+
+
+def frozen_copy(model):
+    """A frozen copy of `model` (a reference π_ref) in frozen_dtype."""
+    return copy.deepcopy(model).to(frozen_dtype(model.device)).eval().requires_grad_(False)
 
 
 def compile_pays(device):
@@ -202,6 +243,28 @@ def rollout_metrics(ro, scores, reward, adv, tasks):
                 ro.texts, [t for t in tasks for _ in range(n // len(tasks))]).items()}}
 
 
+def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler=None,
+                 decode="auto"):
+    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed
+    sampler. `sampler`: the script's own (a vLLM engine is woken and synced to `model` first);
+    None: HF sampling with `model` and the `decode` loop."""
+    was_training = model.training
+    model.eval()
+    if sampler is None:
+        sampler = HFSampler(model, tokenizer, decode=None if decode == "auto" else decode)
+    sampler.wake()
+    sampler.sync(model)
+    with torch.no_grad(), autocast(model.device.type):
+        summary, _ = run_eval(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens,
+                              template=template, seed=seed, sampler=sampler)
+    sampler.sleep()
+    model.train(was_training)
+    return {"eval/format_rate": summary["format_rate"],
+            **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
+            **strategy_metrics("eval", summary["strategies"]),
+            **{f"eval/mistake/{k}": v for k, v in summary["mistakes"].items()}}
+
+
 class Run:
     """Everything around a training loop that is not its algorithm. On --resume it restores the
     weights, optimizer, schedule, RNGs, moving reference and data order of the newest state, so
@@ -228,6 +291,8 @@ class Run:
         self.order, self.skipped = self.extra.get("order", []), self.extra.get("skipped", 0)
         self.pool_size = self.extra.get("pool_size")  # the pool `order` shuffles
         self.grad_norms = []  # this step's (GRPO makes several)
+        if config is not None:  # and the precision its training forwards compute in
+            config = {**config, "train_compute": "bf16" if trains_in_bf16(model.device.type) else "fp32"}
         self.log = Logger(output_dir, total_steps, config, wandb_project, self.start)
 
     def steps(self):

@@ -1,6 +1,5 @@
 """Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (a few M
 parameters) and its byte-level BPE tokenizer trained on the task's own text."""
-import copy
 import functools
 import json
 import os
@@ -102,19 +101,6 @@ def frozen_dtype(device):
     teacher beside a 0.5B student; a LoRA base; GRPO's reference), fp32 on a CPU. Its forwards run
     under autocast there, so it computes as the bf16 trainer does."""
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-
-
-def load_frozen(name, device, tok, policy_name):
-    """A model that never trains (a teacher, a student), in frozen_dtype; it must share the policy's
-    tokenizer."""
-    model, other_tok = load_model(name, device, frozen_dtype(device))
-    check_same_tokenizer(tok, other_tok, policy_name, name)
-    return model.eval().requires_grad_(False)
-
-
-def frozen_copy(model):
-    """A frozen copy of `model` (a reference π_ref) in frozen_dtype."""
-    return copy.deepcopy(model).to(frozen_dtype(model.device)).eval().requires_grad_(False)
 
 
 def check_same_tokenizer(tok, other, name, other_name):

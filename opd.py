@@ -33,19 +33,17 @@ from functools import partial
 
 import torch
 
-from checkpoints import prepare_run
-from common import (CountdownError, VerifierRLArgs, arg, autocast, check_choice, check_rl_args,
-                    cli, parse_args, seed_everything)
+from common import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
+                    seed_everything)
 from data import load_tasks
-from evaluate import eval_metrics
-from logprobs import token_stats
-from loop import Run, behavior_logp, load_policy, rollout_metrics, step_seed
-from models import load_frozen
-from sampler import make_sampler, micro_batches, rollouts, score_rollouts
+from logprobs import autocast, micro_batches, token_stats
+from loop import (Run, behavior_logp, eval_metrics, load_frozen, load_policy, prepare_run,
+                  rollout_metrics, step_seed)
+from sampler import make_sampler, rollouts, score_rollouts
 
 
 @dataclass
-class Args(VerifierRLArgs):
+class Args(RLArgs):
     # shared, with this script's defaults (000 Table 5)
     init: str = arg("out/sft",
                     "checkpoint to start from (the student: SFT model, or OPD for anti-collapse)")
@@ -78,6 +76,14 @@ class Args(VerifierRLArgs):
     mu: str = arg("sampler", "μ of w: sampler (its log-probs, Eq. 3) | trainer (this forward's, "
                              "detached: w = 1, a bf16 engine's rounding left out)")
 
+    # the verifier's reward, as in rloo.py and grpo.py
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
+                                "near misses (001)")
+    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
+                                   "the 0.1 pays for claiming success falsely "
+                                   "(docs/studies/arithmetic.md)")
+    no_answer_reward: float = arg(0.0, "sparse reward of a rollout without a complete answer (000: "
+                                       "0; docs/studies/strategies.md)")
 
 def rloo_advantages(reward, positive_weight=1.0):
     """Eq. 3's leave-one-out baseline (Algorithm 1 line 2). reward (B, G) -> A (B, G): each rollout
@@ -124,7 +130,7 @@ def main(argv=None):
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len)
+                           args.max_prompt_len + args.max_response_len, args.decode)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
@@ -137,7 +143,8 @@ def main(argv=None):
                       args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, **args.reward_options())  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward,
+                                        args.no_answer_reward)                 # (B*G,), (B, G)
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))

@@ -27,18 +27,16 @@ from functools import partial
 
 import torch
 
-from checkpoints import prepare_run
-from common import CurriculumArgs, arg, autocast, check_rl_args, cli, parse_args, seed_everything
-from curriculum import setup_curriculum
-from data import load_tasks
-from evaluate import eval_metrics
-from logprobs import token_stats
-from loop import Run, behavior_logp, load_policy, rollout_metrics, step_seed
-from sampler import make_sampler, micro_batches, rollouts, score_rollouts
+from common import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
+from data import load_tasks, make_curriculum
+from logprobs import autocast, micro_batches, token_stats
+from loop import (Run, behavior_logp, eval_metrics, load_policy, prepare_run, rollout_metrics,
+                  step_seed)
+from sampler import make_sampler, probe, rollouts, score_rollouts
 
 
 @dataclass
-class Args(CurriculumArgs):
+class Args(RLArgs):
     # shared, with this script's defaults (000 Table 5)
     init: str = arg("out/sft", "checkpoint to start from (the SFT model)")
     output_dir: str = arg("out/rloo", "where the checkpoint, args.json and metrics.jsonl go")
@@ -61,6 +59,23 @@ class Args(CurriculumArgs):
                                       "1: Eq. 3)")
     mu: str = arg("sampler", "μ of w and the KL: sampler (its log-probs, Eq. 3) | trainer (this "
                              "forward's, detached: w = 1, a bf16 engine's rounding left out)")
+    # the reward and the curriculum (data.py), as in grpo.py
+    reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
+                                "near misses (001)")
+    wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
+                                   "the 0.1 pays for claiming success falsely "
+                                   "(docs/studies/arithmetic.md)")
+    no_answer_reward: float = arg(0.0, "sparse reward of a rollout without a complete answer (000: "
+                                       "0; docs/studies/strategies.md)")
+    curriculum: str = arg("none", "none | tiers (001 Alg. 1: success-gated tiers by operand count, "
+                                  "then target) | filter (002 §5.2: problems the init solves "
+                                  "sometimes)")
+    curriculum_bins: int = arg(3, "tiers: target bins per operand count")
+    curriculum_window: int = arg(10, "tiers: W, steps of rollout accuracy averaged (001: none)")
+    curriculum_threshold: float = arg(0.6, "tiers: τ, the mean accuracy that unlocks the next tier "
+                                           "(001: none)")
+    probe_problems: int = arg(1024, "filter: the first N train problems the init is probed on")
+    probe_samples: int = arg(4, "filter: samples of the init per probed problem, at --temperature")
 
 
 def rloo_advantages(reward, positive_weight=1.0):
@@ -126,15 +141,18 @@ def main(argv=None):
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len)
+                           args.max_prompt_len + args.max_response_len, args.decode)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
-    # 001's tiers or 002's filter (curriculum.py); --curriculum none: every problem, always
-    tasks, curriculum = setup_curriculum(tasks, sampler, model, tok, output_dir,
-                                         run.extra.get("curriculum"), step_seed(args.seed, 0),
-                                         **args.curriculum_options())
+    if args.curriculum == "filter":  # 002 §5.2: the init's solve rate on each probed problem
+        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
+                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
+                      step_seed(args.seed, 0), f"{output_dir}/probe.jsonl")
+    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,  # none: all, always
+                                 args.curriculum_window, args.curriculum_threshold,
+                                 run.extra.get("curriculum"))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
@@ -143,7 +161,8 @@ def main(argv=None):
                       args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, **args.reward_options())  # (B*G,), (B, G)
+        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward,
+                                        args.no_answer_reward)                 # (B*G,), (B, G)
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = run.stats(B * G, sum(map(len, ro.completion_ids)))

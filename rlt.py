@@ -36,15 +36,13 @@ from functools import partial
 
 import torch
 
-from checkpoints import prepare_run
-from common import (CountdownError, RLArgs, arg, autocast, check_choice, check_rl_args, cli,
-                    parse_args, seed_everything)
-from data import load_tasks, make_prompt
-from logprobs import token_stats
-from loop import Run, load_policy, mix_reference, step_seed
-from models import frozen_copy, load_frozen
-from rlt_data import balanced, export_traces, measure_balance, next_solved, solved
-from sampler import make_sampler, micro_batches
+from common import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
+                    seed_everything)
+from logprobs import autocast, micro_batches, token_stats
+from loop import Run, frozen_copy, load_frozen, load_policy, mix_reference, prepare_run, step_seed
+from rlt_data import (balanced, export_traces, measure_balance, next_solved, rlt_tasks, solved,
+                      student_prompt, student_row, teacher_prompt)
+from sampler import make_sampler
 
 
 @dataclass
@@ -108,29 +106,6 @@ class Args(RLArgs):
                                  "explanations closed </think> (004 §B: up to 16 draws)")
     export_verified: bool = arg(False, "export only explanations whose every written step is right "
                                        "and that say `found` only at the target (not in 004)")
-
-
-# ---- the two prompt formats (004 Fig. 6-7, adapted) ----------------------------------------------
-def student_prompt(task, template):
-    return make_prompt(task["nums"], task["target"], template)  # ends with "<think>"
-
-
-def teacher_prompt(task, solution, template):
-    """The student's prompt with the solution first in the assistant's turn; the explanation then
-    opens <think> (004 Fig. 7: solution block, then the explanation block)."""
-    prompt = student_prompt(task, template).removesuffix("<think>")
-    return prompt + f"<answer>{solution}</answer>\n<think>"
-
-
-def student_completion(explanation, solution):
-    """The distillation target d_i: the teacher's think tokens, then the solution (004 §3.2)."""
-    return f"{explanation}</think>\n<answer>{solution}</answer>"
-
-
-def student_row(task, explanation, solution, template):
-    """An exported explanation as sft.py's data: the student's prompt, e, then s (004 Fig. 3)."""
-    return {"query": student_prompt(task, template), "nums": task["nums"], "target": task["target"],
-            "completion": student_completion(explanation, solution)}
 
 
 def explanation_of(text):
@@ -276,15 +251,12 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options())
     student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
     ref = frozen_copy(model) if args.beta > 0 else None  # π_ref
-    # The teacher explains the solver's equation; tasks without one (possible in a hub dataset) are
-    # skipped, solved lazily: a 490k-row hub dataset of 4-number problems takes minutes up front.
-    tasks = load_tasks(args.data, "train", args.export_problems if args.max_steps == 0 else None)
-    eval_tasks = solved(load_tasks(args.eval_data, "val", args.eval_problems))
-    if not eval_tasks or not solved(tasks, 1):
-        raise CountdownError(f"no solvable tasks in {args.data if eval_tasks else args.eval_data}")
+    tasks, eval_tasks = rlt_tasks(args.data, args.eval_data, args.eval_problems,  # (task, solution)
+                                  args.export_problems if args.max_steps == 0 else None)
     export_len = args.export_max_new_tokens or 2 * args.max_response_len  # 004 Table 4: 2 x
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len
-                           + max(args.max_response_len, export_len if args.export else 0))
+                           + max(args.max_response_len, export_len if args.export else 0),
+                           args.decode)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     explain_fn = partial(explain, sampler, model, tok, template=args.template,
                          max_prompt_len=args.max_prompt_len, temperature=args.temperature,

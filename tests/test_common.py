@@ -127,17 +127,17 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     attn, mask = torch.ones_like(ids), torch.ones_like(ids)
     fp32 = LP.token_stats(model, ids, attn, mask)["logp"]
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
-    with C.autocast("cpu", model, None):
+    with LP.autocast("cpu", model, None):
         assert model.config._attn_implementation == "eager"
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         bf16 = LP.token_stats(model, ids, attn, mask)["logp"]
     assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
     assert bf16.dtype == torch.float32 and 0 < (bf16 - fp32).abs().max() < 0.05
-    with pytest.raises(RuntimeError), C.autocast("cpu", model):
+    with pytest.raises(RuntimeError), LP.autocast("cpu", model):
         raise RuntimeError("inside")
     assert model.config._attn_implementation == "sdpa"
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")
-    with C.autocast("cpu", model):
+    with LP.autocast("cpu", model):
         assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
         assert torch.equal(LP.token_stats(model, ids, attn, mask)["logp"], fp32)
 
@@ -203,11 +203,11 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
     model, tok = tiny
     prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7, 1], 99, "base")]
     ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=1.0, max_new_tokens=20, seed=0)
-    ids, attn, mask, sampler_lp = S.rollout_batch(ro, list(range(6)), tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, list(range(6)), tok.pad_token_id)
     with torch.no_grad():
         logp = LP.token_stats(model, ids, attn, mask)["logp"]
     assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
-    assert S.logprob_gap(model, tok, ro, 1.0) == pytest.approx((logp - sampler_lp)[mask[:, 1:].bool()].abs().mean().item())
+    assert LP.logprob_gap(model, tok, ro, 1.0) == pytest.approx((logp - sampler_lp)[mask[:, 1:].bool()].abs().mean().item())
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
@@ -218,7 +218,7 @@ def test_sampler_logprobs_are_of_the_sampling_distribution(tiny, temperature):
     model, tok = tiny
     prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7], 99, "compact")]
     ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=temperature, max_new_tokens=20, seed=0)
-    ids, attn, mask, sampler_lp = S.rollout_batch(ro, list(range(6)), tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, list(range(6)), tok.pad_token_id)
     m = mask[:, 1:].bool()
     with torch.no_grad():
         tempered = LP.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
@@ -231,7 +231,7 @@ def test_rollout_batch_aligns_rows_with_their_prompts():
     ro = S.Rollouts([[1, 2], [3]], [[5], [6, 7], [8, 9, 10], [11]], [[-.5], [-.6, -.7], [-.8, -.9, -1.0], [-1.1]],
                     ["a", "b", "c", "d"], [True] * 4)
     # row 1 is prompt 0's, row 2 prompt 1's
-    ids, attn, mask, old = S.rollout_batch(ro, [1, 2], pad_id=0)
+    ids, attn, mask, old = LP.rollout_batch(ro, [1, 2], pad_id=0)
     assert ids.tolist() == [[1, 2, 6, 7], [3, 8, 9, 10]] and attn.tolist() == [[1] * 4] * 2
     assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
     assert torch.allclose(old, torch.tensor([[0, -.6, -.7], [-.8, -.9, -1.0]]))

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import curriculum as C
+import data as C
 import grpo
 import models as M
 import rloo
@@ -89,13 +89,13 @@ def test_probe_measures_solve_rates_writes_them_and_reads_them_back(tmp_path):
     right, wrong = "</think>\n<answer>2 + 3</answer>", "</think>\n<answer>2 * 3</answer>"
     sampler = ScriptedSampler({"5": [right, wrong, right, right], "6": [right] * 4})
     path = str(tmp_path / "probe.jsonl")
-    C.probe(sampler, None, tok, tasks, 4, "compact", 512, 1.0, 8, 0, path)
+    S.probe(sampler, None, tok, tasks, 4, "compact", 512, 1.0, 8, 0, path)
     assert [t["solve_rate"] for t in tasks] == [0.75, 0.0] and len(sampler.calls) == 1
     again = [{"nums": [2, 3], "target": 5}, {"nums": [2, 3], "target": 6}]
-    C.probe(sampler, None, tok, again, 4, "compact", 512, 1.0, 8, 0, path)  # a resumed run
+    S.probe(sampler, None, tok, again, 4, "compact", 512, 1.0, 8, 0, path)  # a resumed run
     assert [t["solve_rate"] for t in again] == [0.75, 0.0] and len(sampler.calls) == 1
     with pytest.raises(CountdownError, match="probed other problems"):
-        C.probe(sampler, None, tok, again[:1], 4, "compact", 512, 1.0, 8, 0, path)
+        S.probe(sampler, None, tok, again[:1], 4, "compact", 512, 1.0, 8, 0, path)
 
 
 def test_per_task_temperatures_one_call_each_merged_in_task_order():
@@ -167,7 +167,7 @@ def test_grpo_two_steps_with_every_exploration_knob_and_filter(tiny_ckpt, tmp_pa
         for i, t in enumerate(tasks):
             t["solve_rate"] = [0.0, 0.5, 1.0, 0.25][i % 4]
         return tasks
-    monkeypatch.setattr(C, "probe", fake_probe)
+    monkeypatch.setattr(grpo, "probe", fake_probe)
     grpo.main(["--init", tiny_ckpt, *FAST, "--curriculum", "filter", "--probe_problems", "8",
                "--adaptive_temperature", "0.6,1.5", "--bottom_p", "0.9", "--bottom_p_freq", "0.5",
                "--output_dir", str(tmp_path)])
@@ -203,7 +203,7 @@ def test_row_temperatures_explore_the_hard_problems_and_exploit_the_easy_ones():
     # 002 §5.2: T_hard where the init solves under half its samples, T_easy elsewhere; the trainer
     # gets one per rollout, each prompt's repeated G times in the rollouts' order
     batch = [{"solve_rate": r} for r in (0.0, 0.5, 1.0, 0.25)]
-    sampler_T, trainer_T = C.row_temperatures(batch, 2, 0.7, (0.6, 1.5))
+    sampler_T, trainer_T = grpo.row_temperatures(batch, 2, 0.7, (0.6, 1.5))
     assert sampler_T == [1.5, 0.6, 0.6, 1.5]
     assert torch.allclose(trainer_T, torch.tensor([1.5, 1.5, 0.6, 0.6, 0.6, 0.6, 1.5, 1.5]))
-    assert C.row_temperatures(batch, 2, 0.7, ()) == (0.7, 0.7)  # off: --temperature for all
+    assert grpo.row_temperatures(batch, 2, 0.7, ()) == (0.7, 0.7)  # off: --temperature for all

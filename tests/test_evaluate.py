@@ -240,5 +240,5 @@ def test_export_keeps_each_problems_first_accepted_sample_as_sft_rows(tmp_path):
     assert rows[0]["query"] == D.make_prompt([3, 5, 7], 56, "compact") and rows[0]["target"] == 56
     path = str(tmp_path / "teacher.jsonl")
     D.write_jsonl(path, rows * 20)
-    prompts, responses = sft.sft_data(path, "train", 0, "compact", eval_problems=2)
+    prompts, responses = D.sft_data(path, "train", 0, "compact", eval_problems=2)
     assert len(prompts) == 18 and responses(random.Random(0))[0] == rows[0]["completion"]

@@ -9,10 +9,10 @@ import torch
 from conftest import GEN, ROOT
 
 import checkpoints
-import common as C
 import loop
 import models as M
 from logprobs import token_stats, tokenize_pairs
+import logprobs as LP
 
 
 def logp_of(model, tok):
@@ -114,7 +114,7 @@ def test_on_a_gpu_the_lora_base_is_bf16_and_the_adapters_fp32(tiny_ckpt, monkeyp
     assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
     ids, attn, mask = tokenize_pairs(tok, ["User: 1 2 3\nAssistant: <think>"], [" 1 + 2 = 3"])
-    with C.autocast(device, model):
+    with LP.autocast(device, model):
         (-token_stats(model, ids, attn, mask)["logp"].sum()).backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and g.dtype == torch.float32 for g in grads)

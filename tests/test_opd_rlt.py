@@ -21,11 +21,12 @@ import sampler as S
 import sft
 from checkpoints import save_checkpoint
 from verifier import score
+import rlt_data as RD
 
 # rlt.score_explanations, and the reward 004 §A.1 makes of its parts
 SCORE = dict(template="compact", micro_batch=2, temperature=1.0, kl_estimator="exact")
 RWD = dict(alpha=0.01, lam=3.0, penalty=-1.0)
-ROW = functools.partial(rlt.student_row, template="compact")  # an export's row
+ROW = functools.partial(RD.student_row, template="compact")  # an export's row
 
 
 def scorer(teacher, student, tok, **kw):
@@ -160,7 +161,7 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(kl_estimator, T,
     r, r_ss, r_kl = score_fn(tasks, sols, expl, pen)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for i in (0, 1, 2):
-        ps, pt = enc(rlt.student_prompt(tasks[i], "compact")), enc(rlt.teacher_prompt(tasks[i], sols[i], "compact"))
+        ps, pt = enc(RD.student_prompt(tasks[i], "compact")), enc(RD.teacher_prompt(tasks[i], sols[i], "compact"))
         e, tail, s = enc(expl[i]), enc("</think>\n<answer>"), enc(sols[i] + "</answer>")
         with torch.no_grad():
             ls = (student(input_ids=torch.tensor([ps + e + tail + s])).logits[0] / T).log_softmax(-1)
@@ -185,27 +186,27 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(kl_estimator, T,
 
 def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
     task, sol = {"nums": [3, 4, 5], "target": 35}, "(3 + 4) * 5"
-    tp = rlt.teacher_prompt(task, sol, "compact")
+    tp = RD.teacher_prompt(task, sol, "compact")
     assert tp.endswith(f"<answer>{sol}</answer>\n<think>") and "[3, 4, 5]" in tp and "35" in tp
     teacher_out = " 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>(3 + 4) * 5</answer>"
-    completion = rlt.student_completion(rlt.explanation_of(teacher_out)[0], sol)
+    completion = RD.student_completion(rlt.explanation_of(teacher_out)[0], sol)
     assert completion == teacher_out and score(completion, task["nums"], task["target"]) == 1.0
     path = tmp_path / "traces.jsonl"
-    path.write_text(json.dumps({"query": rlt.student_prompt(task, "compact"), "completion": completion}) + "\n")
-    prompts, responses = sft.sft_data(str(path), "train", None, "compact", 0)
+    path.write_text(json.dumps({"query": RD.student_prompt(task, "compact"), "completion": completion}) + "\n")
+    prompts, responses = D.sft_data(str(path), "train", None, "compact", 0)
     assert prompts == [D.make_prompt([3, 4, 5], 35, "compact")] and responses(None) == [completion]
 
 
 def test_rlt_sft_data_is_the_teacher_format_explaining_its_own_solution():
     """004 §A.1: the teacher's SFT before RL sees the solution and learns to write the trace that
     reaches it, up to </think>."""
-    prompts, responses = sft.sft_data("rlt:" + GEN.removeprefix("gen:"), "train", 6, "compact", 0, dead_ends=1)
+    prompts, responses = RD.teacher_sft_data("rlt:" + GEN.removeprefix("gen:"), "train", 6, "compact", dead_ends=1)
     tasks = D.load_tasks(GEN, "train", 6)
     for task, prompt, expl in zip(tasks, prompts, responses(None)):
         sol = prompt.split("<answer>")[-1].split("</answer>")[0]
-        assert prompt == rlt.teacher_prompt(task, sol, "compact") and expl.endswith("</think>")
+        assert prompt == RD.teacher_prompt(task, sol, "compact") and expl.endswith("</think>")
         assert expl.count("</think>") == 1 and "<answer>" not in expl
-        assert score(rlt.student_completion(expl.removesuffix("</think>"), sol), task["nums"], task["target"]) == 1.0
+        assert score(RD.student_completion(expl.removesuffix("</think>"), sol), task["nums"], task["target"]) == 1.0
 
 
 def test_sft_cosine_ends_at_final_lr(tmp_path):
@@ -253,7 +254,7 @@ def test_rlt_two_steps_export_then_sft_on_the_traces(ckpts, tmp_path):
     # (an untrained teacher's lines: test_export_keeps_the_best_explanation checks content)
     assert traces.exists()
     traces.write_text(json.dumps({"query": D.make_prompt([1, 2, 3], 6, "compact"),
-                                  "completion": rlt.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
+                                  "completion": RD.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
     r = subprocess.run([sys.executable, "sft.py", "--init", "tiny", "--data", str(traces), "--eval_data", GEN, "--template",
                         "compact", "--eval_problems", "2", "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size",
                         "2", "--micro_batch", "2", "--max_steps", "2", "--output_dir", str(tmp_path / "student")],
@@ -294,7 +295,7 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     expl = [rlt.explanation_of(t)[0] for t in texts[:2]]
     _, r_ss, _ = score_fn(tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2)
     best = expl[int(r_ss.argmax())]
-    assert lines[0]["completion"] == rlt.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
+    assert lines[0]["completion"] == RD.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
     assert lines[0]["query"] == D.make_prompt([3, 4, 5], 35, "compact")
     assert score(lines[0]["completion"], [3, 4, 5], 35) == 1.0
 
@@ -330,7 +331,7 @@ def test_export_draws_again_only_for_problems_with_no_closed_explanation(redraws
     assert [r["nums"] for r in rows] == [[3, 4, 5], [2, 9, 7]][:exported]
     assert len(sampler.prompts) == redraws + 1
     if redraws:  # the second draw: task 2 alone
-        assert sampler.prompts[1] == [rlt.teacher_prompt(tasks[1], sols[1], "compact")]
+        assert sampler.prompts[1] == [RD.teacher_prompt(tasks[1], sols[1], "compact")]
     stats = json.load(open(path + ".stats.json"))
     assert stats["closed_first_draw"] == 0.5 and stats["explanations"] == 2 + redraws
 
@@ -449,4 +450,4 @@ def test_export_verified_keeps_only_explanations_whose_steps_are_right(tmp_path)
         out[verified] = [json.loads(x) for x in open(tmp_path / f"{verified}.jsonl")]
     assert [r["nums"] for r in out[False]] == [[3, 4, 5], [2, 9, 7]]
     assert [r["nums"] for r in out[True]] == [[3, 4, 5]]
-    assert out[True][0]["completion"] == rlt.student_completion(rlt.explanation_of(texts[0])[0], sols[0])
+    assert out[True][0]["completion"] == RD.student_completion(rlt.explanation_of(texts[0])[0], sols[0])

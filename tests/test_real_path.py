@@ -212,11 +212,11 @@ def test_a_teacher_that_ends_on_another_token_is_refused(what):
 def test_frozen_models_are_bf16_on_a_gpu_and_grpos_reference_is_one(tmp_path, monkeypatch, tiny_ckpt):
     assert M.frozen_dtype("cuda") == torch.bfloat16 and M.frozen_dtype("cpu") == torch.float32
     model, _ = M.load_model(tiny_ckpt)
-    ref = M.frozen_copy(model)
+    ref = L.frozen_copy(model)
     assert ref.dtype == torch.float32 and not ref.training
     assert not any(p.requires_grad for p in ref.parameters()) and model.dtype == torch.float32
     # as on a GPU: GRPO's π_ref (bf16 autocast on this CPU, as a GPU trainer always computes)
-    monkeypatch.setattr(M, "frozen_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(L, "frozen_dtype", lambda device: torch.bfloat16)
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
     policy, ref = grpo.main(["--init", tiny_ckpt, *FAST, "--beta", "0.04", "--output_dir", str(tmp_path)])
     assert ref.dtype == torch.bfloat16 and policy.dtype == torch.float32
@@ -257,7 +257,7 @@ def test_pip_install_carries_every_module_the_scripts_import(tmp_path):
     import tomllib
     listed = set(tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]["py-modules"])
     needed = imported_modules()
-    assert {"traces", "models", "rlt"} <= needed and needed <= listed, sorted(needed - listed)
+    assert {"traces", "models", "fast_decode"} <= needed and needed <= listed, sorted(needed - listed)
     src, site = tmp_path / "src", tmp_path / "site"
     src.mkdir()
     for f in os.listdir(ROOT):

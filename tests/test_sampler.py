@@ -1,23 +1,20 @@
 """HFSampler's decode loop (the model's own modules, a KV cache written in place): its logits are
 the model's, its log-probs the trainer's, its draws the loop's it replaced
-(benchmarks/sampler_speed.py keeps that loop as the reference), with and without LoRA."""
-import os
-import sys
+(sampler.py's plain loop, decode='plain', the reference), with and without LoRA."""
 import warnings
 
 import pytest
 import torch
-from conftest import ROOT
 
 import data as D
+import fast_decode as F
+import logprobs as LP
 import loop
 import models as M
 import sampler as S
 from common import CountdownError
 from logprobs import token_stats
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from sampler_speed import OldHFSampler  # noqa: E402
 
 # three prompt lengths: the batch is left-padded
 PROMPTS = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7, 1], 99, "compact"),
@@ -47,7 +44,7 @@ def last_logits(model, ids):
 
 def assert_logprobs_are_the_trainers(model, tok, ro, temperature):
     rows = list(range(len(ro.completion_ids)))
-    ids, attn, mask, sampler_lp = S.rollout_batch(ro, rows, tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, rows, tok.pad_token_id)
     with torch.no_grad():
         logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
     sel = mask[:, 1:].bool()
@@ -55,7 +52,7 @@ def assert_logprobs_are_the_trainers(model, tok, ro, temperature):
     assert (logp - sampler_lp)[sel].abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("slots", [3, S._KVCache.R])
+@pytest.mark.parametrize("slots", [3, F._KVCache.R])
 def test_decode_logits_equal_a_full_forward_with_padding_and_dropped_rows(monkeypatch, slots):
     """Every step's logits, for every row the batch holds, equal a full forward of that row's
     prompt and tokens so far (no padding, no cache). The tokens come from a script, in which rows
@@ -63,7 +60,7 @@ def test_decode_logits_equal_a_full_forward_with_padding_and_dropped_rows(monkey
     dropped too); a random model with init std 0.05 (2.5x the default), so that positions matter.
     The cache's written-in-place part holds `slots` tokens before it is appended to the rest: 3,
     so that appends and drops interleave, and the default, reached at step 32."""
-    monkeypatch.setattr(S._KVCache, "R", slots)
+    monkeypatch.setattr(F._KVCache, "R", slots)
     model, tok = tiny(initializer_range=0.05)
     eos, L, n = tok.eos_token_id, 40, 2
     script = torch.randint(eos + 1, len(tok), (6, L), generator=torch.Generator().manual_seed(0))
@@ -116,11 +113,11 @@ def test_same_seed_gives_the_old_loops_tokens(monkeypatch, eos_logit, options):
     its DynamicCache), with the same log-probs and stops: the generator is used in the same order
     and the arithmetic agrees closely enough that no draw flips. The cache's written-in-place part
     holds 5 tokens, so that appends to the rest happen between the drops."""
-    monkeypatch.setattr(S._KVCache, "R", 5)
+    monkeypatch.setattr(F._KVCache, "R", 5)
     model, tok = tiny(eos_logit)
-    new, old = (cls(model, tok, batch_size=8).generate(PROMPTS, 6, max_new_tokens=24, seed=2,
+    new, old = (S.HFSampler(model, tok, batch_size=8, decode=decode).generate(PROMPTS, 6, max_new_tokens=24, seed=2,
                                                        **options)
-                for cls in (S.HFSampler, OldHFSampler))
+                for decode in ("dynamic", "plain"))
     assert 0 < sum(new.finished) < len(new.finished)
     assert new.completion_ids == old.completion_ids and new.finished == old.finished
     assert new.texts == old.texts
@@ -143,7 +140,7 @@ def test_lora_model_samples_through_its_adapters(tiny_ckpt):
     with model.disable_adapter():  # the adapters change the log-probs: they were used
         with pytest.raises(AssertionError):
             assert_logprobs_are_the_trainers(model, tok, ro, 0.7)
-    old = OldHFSampler(model, tok).generate(PROMPTS, 3, 0.7, max_new_tokens=16, seed=0)
+    old = S.HFSampler(model, tok, decode="plain").generate(PROMPTS, 3, 0.7, max_new_tokens=16, seed=0)
     assert ro.completion_ids == old.completion_ids
 
 
@@ -174,19 +171,19 @@ def test_a_gpu_decode_preallocates_every_slot_and_samples_the_same(monkeypatch):
     append ever copies the cache (twice its memory for a moment). Forced here on CPU: the same
     tokens and log-probs as the appending CPU path, and `old` never grows past the prompt."""
     L = 40  # past _KVCache.R: the CPU path appends once
-    assert S._decode_slots(torch.device("cuda"), L) == L and S._decode_slots(torch.device("cpu"), L) == S._KVCache.R
+    assert F._decode_slots(torch.device("cuda"), L) == L and F._decode_slots(torch.device("cpu"), L) == F._KVCache.R
     model, tok = tiny(eos_logit=2.0)
     ref = S.HFSampler(model, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=L, seed=3)
-    sizes, advance = [], S._KVCache.advance
+    sizes, advance = [], F._KVCache.advance
 
     def spy(self, T):
         advance(self, T)
         sizes.append(self.old.shape[4])
-    monkeypatch.setattr(S._KVCache, "advance", spy)
-    monkeypatch.setattr(S, "_decode_slots", lambda dev, L: L)
+    monkeypatch.setattr(F._KVCache, "advance", spy)
+    monkeypatch.setattr(F, "_decode_slots", lambda dev, L: L)
     ro = S.HFSampler(model, tok).generate(PROMPTS, 2, 1.0, max_new_tokens=L, seed=3)
-    assert len(sizes) > S._KVCache.R and set(sizes) == {sizes[0]}  # the prompt's P slots, never more
-    assert ro.completion_ids == ref.completion_ids and max(map(len, ro.completion_ids)) > S._KVCache.R
+    assert len(sizes) > F._KVCache.R and set(sizes) == {sizes[0]}  # the prompt's P slots, never more
+    assert ro.completion_ids == ref.completion_ids and max(map(len, ro.completion_ids)) > F._KVCache.R
     for a, b in zip(ro.logprobs, ref.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
 
@@ -204,17 +201,17 @@ def test_a_gpu_decodes_under_bf16_autocast(decode, cache, attr, monkeypatch):
     assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16
     assert not isinstance(S._decode_precision(torch.device("cpu")), torch.autocast)
     model, tok = tiny(eos_logit=2.0)
-    dtypes, init = [], getattr(S, cache).__init__
+    dtypes, init = [], getattr(F, cache).__init__
 
     def spy(self, *args):
         init(self, *args)
         dtypes.append(getattr(self, attr).dtype)
-    monkeypatch.setattr(getattr(S, cache), "__init__", spy)
+    monkeypatch.setattr(getattr(F, cache), "__init__", spy)
     monkeypatch.setattr(S, "_decode_precision", lambda dev: torch.autocast("cpu", torch.bfloat16))
     ro = S.HFSampler(model, tok, decode=decode).generate(PROMPTS, 2, 1.0, max_new_tokens=16, seed=0)
     assert dtypes == [torch.bfloat16]
     rows = list(range(len(ro.completion_ids)))
-    ids, attn, mask, sampler_lp = S.rollout_batch(ro, rows, tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, rows, tok.pad_token_id)
     with torch.no_grad():
         logp = token_stats(model, ids, attn, mask)["logp"]
     gap = (logp - sampler_lp)[mask[:, 1:].bool()].abs()
@@ -230,7 +227,7 @@ def test_a_kv_cache_budget_bounds_the_rows_decoded_together(monkeypatch):
     cfg = model.config
     per_slot = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * attn.head_dim * 2  # bytes
     P, L = max(len(p) for p in tok(PROMPTS, add_special_tokens=False)["input_ids"]), 6
-    sampler = S.HFSampler(model, tok, kv_budget=2 * 4 * per_slot * (P + L))  # 4 rows
+    sampler = S.HFSampler(model, tok, kv_budget=2 * 4 * per_slot * (P + L), decode="plain")  # 4 rows
     assert sampler.rows_per_batch(P + L) == 4 and S.HFSampler(model, tok).rows_per_batch(P + L) == 1024
     assert S.HFSampler(model, tok, batch_size=3, kv_budget=1e12).rows_per_batch(P + L) == 3
     sizes, batch = [], S.HFSampler._batch

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_sampler import PROMPTS, assert_logprobs_are_the_trainers, last_logits, tiny
 
+import fast_decode as F
 import loop
 import models as M
 import sampler as S
@@ -146,7 +147,7 @@ def test_the_graph_loop_is_the_static_loop_with_replays(monkeypatch, L):
         captures.append(gen)
         step()
         return step
-    monkeypatch.setattr(S, "_graphed", graphed)
+    monkeypatch.setattr(F, "_graphed", graphed)
     monkeypatch.setattr(S.HFSampler, "decode_mode", lambda self: "graph")
     ro = S.HFSampler(model, tok).generate(PROMPTS, 3, 1.0, max_new_tokens=L, seed=4)
     assert len(captures) == (L > 2)  # one batch: one capture, with the sampling generator

@@ -114,7 +114,7 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
     assert "18 training examples" in capsys.readouterr().out
     args = sft.parse_args(sft.Args, ["--data", str(data), "--template", "compact", "--eval_problems", "2",
                                      "--num_train", "5"])
-    prompts, write = sft.sft_data(args.data, "train", args.num_train, args.template, args.eval_problems)   # --num_train keeps a file's first rows
+    prompts, write = D.sft_data(args.data, "train", args.num_train, args.template, args.eval_problems)   # --num_train keeps a file's first rows
     assert prompts == [json.loads(x)["query"] for x in data.read_text().splitlines()[:5]] and len(write(None)) == 5
 
 
@@ -138,7 +138,7 @@ def test_base_stage_trains_on_plain_arithmetic(tmp_path):
     """--data arith:...: no prompt, the whole text is the target; fresh random paths each epoch; the
     run's held-out check is eval/loss (a base model writes no answers to sample pass@k from)."""
     args = sft.parse_args(sft.Args, ["--data", "arith:nums=3,range=1-20,test=5,val=5"])
-    prompts, write = sft.sft_data(args.data, "train", 30, args.template, args.eval_problems)
+    prompts, write = D.sft_data(args.data, "train", 30, args.template, args.eval_problems)
     a, b = write(random.Random(1)), write(random.Random(2))
     assert prompts == [""] * 30 and a != b and all(" = " in x and "Target" not in x for x in a)
     _, _, mask = LP.tokenize_pairs(M.build_tiny_tokenizer(), prompts[:2], a[:2])
@@ -151,7 +151,7 @@ def test_base_stage_trains_on_plain_arithmetic(tmp_path):
 
 
 def test_generated_traces_are_new_each_epoch_unless_fixed():
-    data = functools.partial(sft.sft_data, "gen:nums=3,range=1-20,test=5,val=5", "train", 50, "base", 5, dead_ends=3)
+    data = functools.partial(D.sft_data, "gen:nums=3,range=1-20,test=5,val=5", "train", 50, "base", 5, dead_ends=3)
     prompts, write = data()
     a, b = write(random.Random(1)), write(random.Random(2))
     assert len(prompts) == len(a) == 50 and a != b  # another solution path, other dead ends
@@ -201,15 +201,15 @@ def test_a_dataset_prompt_that_is_not_the_template_is_one_line(tmp_path):
     data.write_text("".join(json.dumps({"query": D.make_prompt(n, t, "base"), "completion": " done"}) + "\n"
                             for n, t in [([1, 2, 3], 6), ([4, 5, 6], 15)]))
     with pytest.raises(C.CountdownError, match="query 1 differs from the --template compact prompt") as e:
-        sft.sft_data(str(data), "train", 0, "compact", 0)
+        D.sft_data(str(data), "train", 0, "compact", 0)
     assert "\n" not in str(e.value)
-    assert sft.sft_data(str(data), "train", 0, "base", 0)[0] == [D.make_prompt([1, 2, 3], 6, "base"),
+    assert D.sft_data(str(data), "train", 0, "base", 0)[0] == [D.make_prompt([1, 2, 3], 6, "base"),
                                                                   D.make_prompt([4, 5, 6], 15, "base")]
-    prompts, _ = sft.sft_data(str(data), "train", 0, "compact", 0, rebuild=True)
+    prompts, _ = D.sft_data(str(data), "train", 0, "compact", 0, rebuild=True)
     assert prompts == [D.make_prompt([1, 2, 3], 6, "compact"), D.make_prompt([4, 5, 6], 15, "compact")]
     data.write_text(json.dumps({"query": "Solve 1 2 3 to make 6", "completion": " done"}) + "\n")
     with pytest.raises(C.CountdownError, match="query 1 names no numbers and target"):
-        sft.sft_data(str(data), "train", 0, "compact", 0, rebuild=True)
+        D.sft_data(str(data), "train", 0, "compact", 0, rebuild=True)
     r = run("sft.py", "--init", "tiny", "--data", str(data), "--output_dir", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.count("error: ") == 1 and "Traceback" not in r.stderr
 
@@ -224,11 +224,11 @@ def test_problems_keeps_the_queries_every_file_trains_on(tmp_path):
     D.write_jsonl(b, [{"query": x, "completion": "B"} for x in q[5:30]])  # on q[5:28]
     common = D.common_queries([a, b], eval_problems=100)
     assert common == set(q[5:18])
-    prompts, write = sft.sft_data(GEN, "train", 30, "compact", 100, mistakes=None)
+    prompts, write = D.sft_data(GEN, "train", 30, "compact", 100, mistakes=None)
     kept, responses = D.only_problems(prompts, write, common)
     assert kept == q[5:18]
     assert all(V.score(r, t["nums"], t["target"]) == 1.0 for r, t in zip(responses(random.Random(0)), tasks[5:18]))
-    kept, responses = D.only_problems(*sft.sft_data(b, "train", None, "compact", 100), common)
+    kept, responses = D.only_problems(*D.sft_data(b, "train", None, "compact", 100), common)
     assert kept == q[5:18] and responses(None) == ["B"] * 13
     with pytest.raises(C.CountdownError, match="--problems"):
         D.only_problems(prompts, write, {"no such prompt"})

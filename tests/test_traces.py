@@ -123,9 +123,9 @@ def test_each_mistake_is_written_wrong_and_read_back_as_its_kind(problems, kind)
 
 def test_the_default_source_is_as_often_right_as_the_real_set_and_the_gate_keeps_only_those():
     import sft
-    prompts, write = sft.sft_data("gen:nums=3,range=1-20,test=5,val=5", "train", 1500, "compact",
+    prompts, write = D.sft_data("gen:nums=3,range=1-20,test=5,val=5", "train", 1500, "compact",
                                   5, 1.0, 0.5, mix={"random": 0.7, "backward": 0.3},
-                                  mistakes=TR.parse_mix(TR.LLM_MISTAKES, TR.MISTAKES, rates=True))
+                                  mistakes=TR.parse_mix(D.LLM_MISTAKES, TR.MISTAKES, rates=True))
     tasks = D.load_tasks("gen:nums=3,range=1-20,test=5,val=5", "train", 1500)  # the prompts' own
     traces = write(random.Random(0))
     right = [V.score(t, x["nums"], x["target"]) == 1.0 for t, x in zip(traces, tasks)]
@@ -133,7 +133,7 @@ def test_the_default_source_is_as_often_right_as_the_real_set_and_the_gate_keeps
     shares = TR.mistake_shares(traces, tasks)
     assert abs(shares["slip"] - 0.25) < 0.04 and 0.1 < shares["reuse"] < 0.17
     assert abs(sum(shares.values()) + sum(right) / len(right) - 1) < 1e-9  # each wrong one a kind
-    _, gated = sft.sft_data("gen:nums=3,range=1-20,test=5,val=5", "train", 1500, "compact", 5, 1.0,
+    _, gated = D.sft_data("gen:nums=3,range=1-20,test=5,val=5", "train", 1500, "compact", 5, 1.0,
                             0.5, mix={"random": 0.7}, mistakes={"slip": 0.6}, verified=True)
     kept = gated(random.Random(0))
     assert all(V.score(t, x["nums"], x["target"]) == 1.0 for t, x in zip(kept, tasks) if t)

@@ -16,6 +16,7 @@ import common as C
 import data as D
 import models as M
 import sampler as S
+import logprobs as LP
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed: the lane's venv is in README, Tests")
@@ -48,7 +49,7 @@ def test_sampled_logprobs_equal_an_hf_forward_at_the_sampling_temperature(tiny, 
     engine.sync(model)
     ro = engine.generate(PROMPTS, n=8, temperature=temperature, max_new_tokens=48, seed=2)
     assert sum(map(len, ro.completion_ids)) > 300
-    assert S.logprob_gap(model, tok, ro, temperature) <= 1e-4
+    assert LP.logprob_gap(model, tok, ro, temperature) <= 1e-4
 
 
 def test_sync_moves_the_trainers_weights_into_the_engine(tiny):
@@ -60,10 +61,10 @@ def test_sync_moves_the_trainers_weights_into_the_engine(tiny):
         for p in moved.parameters():
             p.add_(0.05 * torch.randn_like(p))
     ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
-    before = S.logprob_gap(moved, tok, ro, 1.0)
+    before = LP.logprob_gap(moved, tok, ro, 1.0)
     engine.sync(moved)
     ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
-    after = S.logprob_gap(moved, tok, ro, 1.0)
+    after = LP.logprob_gap(moved, tok, ro, 1.0)
     engine.sync(model)  # the module's engine back to the checkpoint for the other tests
     assert before > 1e-2 and after <= 1e-4, (before, after)
 
