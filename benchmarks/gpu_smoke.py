@@ -1,44 +1,29 @@
 """GPU smoke test: the walkthrough's scripts for a few steps at its real lengths (prompts of ~230
 tokens, 1,024 new ones) on a random Qwen2.5-0.5B-shaped model, no hub, no network: per stage, the
-peak memory of each phase beside benchmarks/memory.py's estimate, and tokens/s.
-
-    bash benchmarks/gpu_smoke.sh            # one GPU: ~4-5 min on an H100 (guessed); no stage
-                                            # starts after --budget_s 300 s, none runs past
-                                            # --deadline_s 420 s
-    bash benchmarks/gpu_smoke.sh --tiny     # the same path on a CPU in ~10 s (the fast suite)
-    bash benchmarks/gpu_smoke.sh --stages sampler --budget_s 200 --deadline_s 300
-                                            # the HF sampler's decode loops alone: ~2-3 min on
-                                            # an H100 (guessed), 5 at most
+peak memory of each phase beside benchmarks/memory.py's estimate, and tokens/s. Run it through
+benchmarks/gpu_smoke.sh (its header: the commands, how long each takes).
 
 Stages, in order: sft, evaluate, opd (a random Qwen2.5-7B-shaped teacher in bf16, built in this
-process; a 0.5B-shaped one when less than 60 s of the budget is left), grpo, rloo, sft_lora
-(step 5's LoRA and checkpointing flags on the 0.5B shape), ipo (pairs from a file: a random model
-makes no on-policy pair) and rlt (the random model both teacher and student; no export). Each runs
-its script's own main() in this process with the README's flags for its step, then these: the
-random model, generated tasks (base template), SFT traces longer than the budget (every row cut at
-it, as the longest real ones), the HF sampler, 128 rollouts a step, 3 steps, and 8 x 4 evaluation
-samples at step 0 and at the end. With --term_grads in a stage's flags, steps 1 and 3 are diagnose
-steps (each loss term back-propagated alone too; the README's commands leave it off); step 2's
-update tokens/s is the plain one. A random model never stops, so every rollout runs to its budget.
+process; 0.5B-shaped when less than 60 s of the budget is left), grpo, rloo, sft_lora (step 5's LoRA
+and checkpointing flags on the 0.5B shape), ipo (pairs from a file: a random model makes no
+on-policy pair) and rlt (the random model both teacher and student; no export). Each runs its
+script's main() in this process with the README's flags for its step, then these: the random model,
+generated tasks (base template), SFT traces cut at the budget (as the longest real ones), the HF
+sampler, 128 rollouts a step, 3 steps, 8 x 4 evaluation samples at step 0 and at the end. With
+--term_grads, steps 1 and 3 also back-propagate each loss term alone; step 2's update tokens/s is
+the plain one. A random model never stops: every rollout runs to its budget.
 Output, OUT/gpu_smoke.jsonl: a setup line, one line per stage, a summary line. A stage's line: its
 argv, peak_allocated_gb and peak_reserved_gb per phase (setup; sample: the rollouts; update:
 log-probs, loss, backward and AdamW; eval), estimate_gb per phase (memory.py, the same flags, this
 card), per step sample_tokens_per_s (rows x response / time/sample), update_tokens_per_s ((prompt +
-response) x rows / time/update), sampler_gap and resp_len, and eval_tokens_per_s. A stage that
-fails (an OOM too) writes its error and where, and the next one runs. No checkpoints or resumable
-states are written (the CPU suite tests them; a 0.5B state is 6 GB of disk).
-The sampler stage (not in the default list; `--stages sampler`) runs no script: HFSampler's three
-decode loops (sampler.py: dynamic, the loop a CPU uses; static; graph, the static step replayed as
-a CUDA graph) on the random 0.5B policy in fp32 (bf16 autocast inside the sampler), 8 rollouts a
-prompt, at --sampler_rows 128 and 512: dynamic and static for --sampler_tokens 256 new tokens (a
-launch-bound step's time hardly depends on the length, and docs/gpu.md measured the dynamic loop
-at ~36 ms a step at 512 rows), the graph for 256 and for the walkthrough's 1,024. A line per run
-(sampler/run: wall_s, prefill_s, capture_s with the graph's eager warm-up step, tokens_per_s of
-the whole call, decode_tokens_per_s and step_ms of the steps outside prefill and capture, peak
-memory), the graph's tokens and log-probs against the static loop's for the same seed
-(sampler/check), then at 128 rows the kernel launches, graph launches, GPU kernels and aten ops per
-decode step from torch.profiler, and each loop's sampler gap on 8 rows. A run that fails writes
-its error; the next one runs.
+response) x rows / time/update), sampler_gap and resp_len, and eval_tokens_per_s. A stage that fails
+(an OOM too) writes its error and where; the next one runs. No checkpoints or resumable states are
+written (the CPU suite tests them; a 0.5B state is 6 GB of disk).
+The sampler stage (only with `--stages sampler`) runs no script: HFSampler's three decode loops
+(dynamic, a CPU's; static; graph, the static step replayed as a CUDA graph) side by side on the
+random 0.5B policy in fp32 (bf16 autocast inside the sampler), at --sampler_rows 128 and 512;
+sampler_stage says what each run and check measures. A run that fails writes its error; the next
+one runs.
 """
 import argparse
 import contextlib
@@ -54,14 +39,15 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repo root, then benchmarks/
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub: fail, never wait
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import memory  # noqa: E402
 
@@ -91,23 +77,18 @@ def qwen_config(path, tok, **overrides):
     return Qwen2Config(**cfg)
 
 
-@contextlib.contextmanager
-def default_dtype(dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def random_model(cfg, device, dtype):
     """A Qwen2 with transformers' random init, built on `device` in `dtype` (a 7B in bf16 on a GPU
     in seconds, never through the CPU or the disk)."""
     from transformers import Qwen2ForCausalLM
     torch.manual_seed(0)
-    with torch.device(device), default_dtype(dtype):
-        return Qwen2ForCausalLM(cfg)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
 
 
 def write_data(work, tok, n_tasks, n_sft, response_tokens):
@@ -150,7 +131,6 @@ class Phases:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        self.t = time.time()
 
     def mark(self, phase):
         if self.cuda:
@@ -159,6 +139,15 @@ class Phases:
                              (self.reserved, torch.cuda.max_memory_reserved())):
                 acc[phase] = max(acc.get(phase, 0), now / GB)
         self.reset()
+
+    def timed(self, evaluate):
+        """`evaluate`, its wall time appended to eval_s."""
+        def call(*a, **kw):
+            t = time.time()
+            out = evaluate(*a, **kw)
+            self.eval_s.append(time.time() - t)
+            return out
+        return call
 
     @contextlib.contextmanager
     def watching(self):
@@ -172,16 +161,14 @@ class Phases:
 
         def init(run, *a, **kw):
             methods["__init__"](run, *a, **kw)
-            evaluate = run.evaluate
+            evaluate = phases.timed(run.evaluate)
 
-            def timed_evaluate():
+            def marked_evaluate():
                 phases.mark("pre-eval")
-                t = time.time()
                 out = evaluate()
-                phases.eval_s.append(time.time() - t)
                 phases.mark("eval")
                 return out
-            run.evaluate = timed_evaluate
+            run.evaluate = marked_evaluate
             phases.mark("setup")
 
         def sampled(run):
@@ -237,13 +224,7 @@ def run_stage(words, phases, teacher=None):
         with phases.watching():
             if script == "evaluate":  # its main() reads sys.argv; time its sampling alone
                 argv, sys.argv, evaluate = sys.argv, ["evaluate.py", *words[2:]], module.evaluate
-
-                def timed(*a, **kw):
-                    t = time.time()
-                    out = evaluate(*a, **kw)
-                    phases.eval_s.append(time.time() - t)
-                    return out
-                module.evaluate = timed
+                module.evaluate = phases.timed(evaluate)
                 try:
                     module.main()
                 finally:
@@ -255,12 +236,10 @@ def run_stage(words, phases, teacher=None):
         if teacher is not None:
             module.load_frozen = models.load_frozen = load_frozen
     wall = time.time() - t0
-    out = words[words.index("--output_dir") + 1] if "--output_dir" in words else None
-    rows = []
-    if out:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            rows = [json.loads(x) for x in f]
-    return wall, rows
+    if "--output_dir" not in words:  # evaluate.py
+        return wall, []
+    with open(os.path.join(words[words.index("--output_dir") + 1], "metrics.jsonl")) as f:
+        return wall, [json.loads(x) for x in f]
 
 
 def throughput(rows, n_rows, prompt_tokens, response_tokens=None):
@@ -280,16 +259,6 @@ def throughput(rows, n_rows, prompt_tokens, response_tokens=None):
             out["sampler_gap"].append(r["train/sampler_gap"])
         out["resp_len"].append(resp)
     return {k: v for k, v in out.items() if v}
-
-
-def estimate_gb(words, prompt_tokens, card):
-    """memory.py's phases for the same command on this card (rows never finish: no row-drop
-    copy), in GB; its update phase is the larger of update and step (both inside one mark here)."""
-    e = memory.estimate(shlex.join(words), prompt_tokens=prompt_tokens, finishing=False, card=card)
-    gb = {p: round(sum(t.values()) / GB, 2) for p, t in e.phases.items()}
-    if "step" in gb:
-        gb["update"] = max(gb["update"], gb.pop("step"))
-    return gb
 
 
 def finite(x):
@@ -351,13 +320,10 @@ def build_teacher(tok, teacher_dir, device, big, tiny):
 def measured(name, rows, words, phases, P, L):
     """A stage's throughputs: per step from its metrics.jsonl, evaluations from their wall time
     (a random model writes every sample to its budget)."""
-    out = {}
+    out, a = {}, memory.parse_command(shlex.join(words))[1]
     if name == "evaluate":
-        a = memory.parse_command(shlex.join(words))[1]
         n_eval, new = a.num_problems * a.num_samples, a.max_new_tokens
-    else:
-        a = memory.parse_command(shlex.join(words))[1]
-        # SFT: rows; IPO: chosen and rejected; RL: rollouts
+    else:  # SFT: rows; IPO: chosen and rejected; RL: rollouts
         n_rows = a.batch_size * (2 if name == "ipo" else getattr(a, "group_size", 1))
         out.update(throughput(rows, n_rows, P, L))
         steps = [r["step"] for r in rows if r["step"] >= 1]
@@ -377,16 +343,12 @@ GROUP = 8  # rollouts a prompt in the sampler stage: 128 rows are 16 prompts, as
 
 
 def sampler_timed(model, tok, prompts, decode, new, seed=0):
-    """One HFSampler(decode=...).generate of `prompts` x GROUP rows, `new` tokens each: the
-    Rollouts and its times, the decode loop's own cut out of the call by marks on sampler.py's
-    helpers (synchronized: the GPU's work, not its queue): the prefill, _graphed's warm-up step
-    and capture, the loop from the prefill's end to _trim."""
+    """One HFSampler(decode=...).generate of `prompts` x GROUP rows, `new` tokens each: its Rollouts
+    and times, cut by synchronized marks on sampler.py's helpers: the prefill, _graphed's warm-up
+    step and capture, the loop from the prefill's end to _trim."""
     import sampler as S
     cuda = torch.cuda.is_available()
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     marks = {"capture_s": 0.0, "captures": 0, "prefill_s": 0.0, "loop_s": 0.0, "batches": 0}
     saved = S._prefill, S._graphed, S._trim
 
@@ -444,14 +406,9 @@ def sampler_timed(model, tok, prompts, decode, new, seed=0):
 
 
 def launches_per_step(model, tok, prompts, decode, short=3, long=7):
-    """Per decode step, from torch.profiler over two generate calls of `short` and `long` new
-    tokens (the difference: prefill and capture cancel out): kernel launch calls, CUDA graph
-    launches, kernels the GPU ran, and aten ops (the CPU's count; on a GPU a graph replay runs
-    none)."""
-    from collections import Counter
-
-    from torch.profiler import ProfilerActivity, profile
-
+    """Per decode step, from torch.profiler over generate calls of `short` and `long` new tokens
+    (their difference: prefill and capture cancel out): kernel launch calls, CUDA graph launches,
+    kernels the GPU ran, and aten ops (the CPU's; on a GPU a graph replay runs none)."""
     import sampler as S
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -488,16 +445,12 @@ def compare(a, b):
 
 def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_start, budget_s,
                   emit):
-    """The HF sampler's decode loops on the random policy (fp32 masters, as an RL script holds
-    them; each loop decodes under its own bf16 autocast): per row count, the dynamic and static
-    loops for `eager_new` tokens (launch-bound, a step's time hardly depends on the length: fewer
-    tokens time it), the graph for `eager_new` (its tokens and log-probs against the static
-    loop's, the same seed) and for `new`; at the first row count each loop's sampler gap (mean
-    |sampler - trainer| log-prob, 8 rows, the trainer's autocast); at the end, at the first row
-    count, launches per decode step.
-    A line per run (stage sampler/run) and per check (sampler/check) as each ends; a run that
-    fails writes its error and the next one runs; none starts after `budget_s`. Returns the
-    stage's summary."""
+    """The HF sampler's decode loops on the random policy (fp32 masters, as an RL script's): per
+    row count, dynamic and static for `eager_new` tokens (launch-bound: a step's time hardly
+    depends on the length), the graph for `eager_new` (checked against static) and `new`; at the
+    first row count each loop's sampler gap (mean |sampler - trainer| log-prob, 8 rows), and last
+    its launches per decode step. A line per run (sampler/run) and check (sampler/check) as each
+    ends; none starts after `budget_s`. Returns the stage's summary."""
     import sampler as S
     from common import autocast
     from data import make_prompt
@@ -511,8 +464,8 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
                        f"the graph {eager_new} and {new}"}
 
     def attempt(what, fn, stage="sampler/check", **context):
-        """fn() unless past the budget; an error is noted (a line of `stage` with `context`), and
-        the stage goes on (not past the deadline: Deadline ends it)."""
+        """fn() unless past the budget; an error is noted (a line of `stage`), and the stage goes
+        on (not past the deadline: Deadline ends it)."""
         if time.time() - t_start > budget_s:
             summary["skipped"].append(what)
             return None
@@ -656,8 +609,7 @@ def main(argv=None):
                else v for k, v in row.items()}
         log.write(json.dumps(row) + "\n")
         log.flush()
-        brief = {k: v for k, v in row.items() if k != "argv"}
-        print(f"[gpu_smoke] {json.dumps(brief)}", flush=True)
+        print("[gpu_smoke]", json.dumps({k: v for k, v in row.items() if k != "argv"}), flush=True)
 
     # ---- setup: tokenizer, the random 0.5B-shaped policy, the data ----
     import transformers
@@ -665,8 +617,7 @@ def main(argv=None):
     from checkpoints import save_checkpoint
     from models import build_tiny_tokenizer
     tok = build_tiny_tokenizer()
-    L = 16 if args.tiny else 1024  # new tokens: the walkthrough's 1,024
-    eval_new = 8 if args.tiny else 1024
+    L, eval_new = (16, 8) if args.tiny else (1024, 1024)  # new tokens: the walkthrough's 1,024
     policy_dir, teacher_dir = os.path.join(work, "policy"), os.path.join(work, "teacher")
     cfg = qwen_config(os.path.join(HERE, "qwen2.5-0.5b.json"), tok, **(TINY if args.tiny else {}))
     t = time.time()
@@ -720,8 +671,13 @@ def main(argv=None):
                     flags["teacher"] = teacher_dir
                 words = with_flags(walk[STEPS[name]], **flags)
                 row.update(argv=words[1:], note=note)
-                try:
-                    row["estimate_gb"] = estimate_gb(words, P, card)
+                try:  # memory.py's phases for this command and card; rows never finish (no copy)
+                    est = memory.estimate(shlex.join(words), prompt_tokens=P, finishing=False,
+                                          card=card)
+                    gb = {p: round(sum(t.values()) / GB, 2) for p, t in est.phases.items()}
+                    if "step" in gb:  # update and step fall inside one mark here
+                        gb["update"] = max(gb["update"], gb.pop("step"))
+                    row["estimate_gb"] = gb
                 except Exception as e:  # the measurement matters more than the arithmetic
                     row["estimate_gb"] = f"error: {type(e).__name__}: {e}"
                 phases.reset()

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_smoke.sh                 # one GPU: ~4-5 min on an H100, 7.5 at most
 #   bash benchmarks/gpu_smoke.sh --tiny          # a CPU, ~10 s (tests/test_gpu_smoke.py)
 #   bash benchmarks/gpu_smoke.sh --stages sampler --budget_s 200 --deadline_s 300
-#                                                # the HF sampler's decode loops side by side
+#                                                # the HF sampler's loops alone: 5 min at most
 # Extra flags go to the driver (--stages, --steps, --rows, --sampler_rows, --sampler_tokens,
 # --budget_s, --deadline_s, --work);
 # $PYTHON picks the interpreter (default: python on the PATH, as a GPU image brings its torch).

@@ -121,8 +121,7 @@ class Shape:
         return self.kv_heads * self.head_dim  # width of k and of v
 
     def layer_matmul(self):
-        """Weights of one layer's projections: q, o (H x H), k, v (H x kv), gate, up, down (H x
-        I)."""
+        """One layer's projection weights: q, o (H x H), k, v (H x kv), gate, up, down (H x I)."""
         return 2 * self.H * self.H + 2 * self.H * self.kv + 3 * self.H * self.I
 
     def params(self):
@@ -145,15 +144,11 @@ class Shape:
 
 def model_shape(name):
     """The shape behind a --init/--teacher/--model value: a checkpoint dir's config.json, a named
-    config in benchmarks/, or (any other out/ dir) the 0.5B every pipeline checkpoint descends
-    from."""
-    if os.path.isfile(os.path.join(name, "config.json")):
-        path = os.path.join(name, "config.json")
-    elif name in CONFIGS:
-        path = os.path.join(HERE, CONFIGS[name])
-    elif name.startswith("out/"):
-        path = os.path.join(HERE, CONFIGS["Qwen/Qwen2.5-0.5B"])
-    else:
+    config in benchmarks/, or (any other out/ dir) the 0.5B every pipeline checkpoint is from."""
+    path = os.path.join(name, "config.json")
+    if not os.path.isfile(path) and (name in CONFIGS or name.startswith("out/")):
+        path = os.path.join(HERE, CONFIGS.get(name, CONFIGS["Qwen/Qwen2.5-0.5B"]))
+    elif not os.path.isfile(path):
         raise EstimateError(f"no shape for model {name!r}: pass a checkpoint dir, an out/ dir, or "
                             f"one of {sorted(CONFIGS)}")
     with open(path) as f:
@@ -213,21 +208,16 @@ def prefill(s, prompts, P):
     return prompts * P * (6 * s.I + 8 * s.H) + prompts * s.heads * P * P * 6
 
 
-def hf_rows(s, rows, slots, card=CARD):
-    """Rows the HF sampler decodes together: the sampler's own rule (HFSampler.rows_per_batch)."""
+def hf_sampling(s, rows, prompts, P, new_tokens, finishing=True, card=CARD):
+    """The HF sampler on a GPU (bf16): KV cache of the rows it decodes together (its own rule,
+    HFSampler.rows_per_batch) at P + new_tokens positions, and when rows finish the copy that drops
+    them (up to 0.75 of it, sampler._KVCache.keep); the decode's logits; the prefill of its share of
+    the prompts."""
     from sampler import HFSampler
     cfg = SimpleNamespace(num_hidden_layers=s.L, num_key_value_heads=s.kv_heads,
                           head_dim=s.head_dim, hidden_size=s.H, num_attention_heads=s.heads)
-    sampler = SimpleNamespace(kv_budget=card / 4, batch_size=rows,
-                              model=SimpleNamespace(config=cfg))
-    return HFSampler.rows_per_batch(sampler, slots)
-
-
-def hf_sampling(s, rows, prompts, P, new_tokens, finishing=True, card=CARD):
-    """The HF sampler on a GPU (bf16): KV cache of its rows at P + new_tokens positions, and when
-    rows finish the copy that drops them (up to 0.75 of it, sampler._KVCache.keep); the decode's
-    logits; the prefill of its share of the prompts."""
-    b = hf_rows(s, rows, P + new_tokens, card)
+    hf = SimpleNamespace(kv_budget=card / 4, batch_size=rows, model=SimpleNamespace(config=cfg))
+    b = HFSampler.rows_per_batch(hf, P + new_tokens)
     cache = b * (P + new_tokens) * s.kv_bytes()
     return {f"KV cache ({b} rows x {P + new_tokens})": cache,
             "KV copy when rows finish (0.75)": 0.75 * cache if finishing else 0,
@@ -242,18 +232,11 @@ def bf16_copies(s, lora_rank=0):
     return 2 * s.lora_params(lora_rank) if lora_rank else 2 * s.L * s.layer_matmul()
 
 
-def vllm_memory_fraction():
-    """The engine's share of the card (sampler.VLLMSampler's default gpu_memory_utilization)."""
+def vllm_awake(card):
+    """An awake engine: its share of the card (VLLMSampler's default gpu_memory_utilization)."""
     from sampler import VLLMSampler
-    return inspect.signature(VLLMSampler.__init__).parameters["gpu_memory_utilization"].default
-
-
-def frozen_bytes():
-    """Bytes a parameter of a frozen model takes on a GPU (models.frozen_dtype)."""
-    import torch
-
-    from models import frozen_dtype
-    return torch.finfo(frozen_dtype("cuda")).bits // 8
+    f = inspect.signature(VLLMSampler.__init__).parameters["gpu_memory_utilization"].default
+    return {f"vLLM engine, awake ({f:.0%} of the card)": f * card}
 
 
 # ---- one command ---------------------------------------------------------------------------------
@@ -314,8 +297,12 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
         return _estimate_eval(a, prompt_tokens, response_tokens, finishing, card)
     if script not in ("sft.py", "ipo.py", "rloo.py", "grpo.py", "opd.py", "rlt.py"):
         raise EstimateError(f"{script}: no estimate for it (training scripts and evaluate.py)")
+    import torch
+
+    from models import frozen_dtype
     pol = model_shape(a.init)
-    fb, P, notes = frozen_bytes(), prompt_tokens, []
+    fb = torch.finfo(frozen_dtype("cuda")).bits // 8  # bytes a frozen model's parameter takes
+    P, notes = prompt_tokens, []
     lora, gc = a.lora_rank, a.gradient_checkpointing
     trained = pol.lora_params(lora) if lora else pol.params()
     T = P + a.max_response_len  # a micro-batch's longest row, prompt included
@@ -337,8 +324,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
               "AdamW moments (2 x fp32)": 8 * trained}
     held = {f"{n} ({s.label()}, {8 * fb}-bit)": fb * s.params() for n, s in frozen}
     copies = {"bf16 weight copies (autocast's cache)": bf16_copies(pol, lora)}
-    backend = getattr(a, "backend", "hf")
-    vllm = backend == "vllm"
+    vllm = getattr(a, "backend", "hf") == "vllm"
     asleep = {"vLLM engine, asleep": VLLM_ASLEEP} if vllm else {}
     # ---- update: forward and backward of one micro-batch ----
     update = {**states, "gradients (fp32)": 4 * trained, **copies, **held,
@@ -361,30 +347,24 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
                        "AdamW's foreach temporaries": 4 * trained}}
     # ---- sampling: rollouts (RL), pairs (IPO), and the periodic evaluation ----
     persist = {**states, **held}
-    if script == "sft.py":
-        sample_rows = 0
-    elif script == "ipo.py":
-        sample_rows, sample_prompts, new = a.num_prompts * a.group_size, a.num_prompts, \
-            a.max_new_tokens
+    if script == "ipo.py":
+        sample_prompts, new = a.num_prompts, a.max_new_tokens
     else:
-        sample_rows, sample_prompts, new = a.batch_size * a.group_size, a.batch_size, \
-            a.max_response_len
+        sample_prompts, new = a.batch_size, a.max_response_len
+    sample_rows = 0 if script == "sft.py" else sample_prompts * a.group_size
 
     def sampling(rows_, prompts_, new_):
         if vllm:
-            return {**persist, f"vLLM engine, awake ({vllm_memory_fraction():.0%} of the card)":
-                    vllm_memory_fraction() * card}
+            return {**persist, **vllm_awake(card)}
         return {**persist, **copies, **hf_sampling(pol, rows_, prompts_, P, new_, finishing, card)}
     if sample_rows:
         phases["sample"] = sampling(sample_rows, sample_prompts, new)
     eval_rows = a.eval_problems * a.eval_samples
     phases["eval"] = sampling(eval_rows, a.eval_problems, a.eval_max_new_tokens)
     # ---- time ----
-    time, tps = {}, SAMPLE_TPS[pol.label()]
-    flops = PEAK_FLOPS * MFU
+    time, tps, flops = {}, SAMPLE_TPS[pol.label()], PEAK_FLOPS * MFU
     R = min(response_tokens, a.max_response_len)
     ctx = P + R
-    passes = 4 if gc else 3
     if script == "sft.py":
         n_rows = _sft_rows(a, notes)
         steps = a.max_steps or math.ceil(a.epochs * math.ceil(n_rows / a.batch_size))
@@ -405,7 +385,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
     step_tokens = step_rows * ctx
     time["sampling"] = steps * step_sample / tps
     time["update" + (" (checkpointed: 4 passes)" if gc else "")] = steps * train_flops(
-        pol, step_tokens, ctx, step_rows * R, passes) / flops
+        pol, step_tokens, ctx, step_rows * R, 4 if gc else 3) / flops
     for n, s in frozen:  # RLT's student: its scoring of each explanation
         time[f"{n} forward"] = steps * train_flops(s, step_tokens, ctx, step_rows * R, 1) / flops
     if terms:  # 2 passes (a backward) per term, on the first step and every evaluating one
@@ -427,8 +407,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
 
 
 def n_evals(steps, every, at_start=True):
-    """Evaluations of a run (loop.Run): at step 0 (`at_start`), every `every` steps, and at the
-    end."""
+    """Evaluations of a run (loop.Run): at step 0 (`at_start`), every `every` steps, at the end."""
     return int(at_start) + (steps // every + (steps % every != 0) if every else 1)
 
 
@@ -454,12 +433,8 @@ def _estimate_eval(a, P, response_tokens, finishing, card):
     s = model_shape(a.model.replace("STAGE", "sft"))
     rows = a.num_problems * a.num_samples
     base = {f"model ({s.label()}, bf16)": 2 * s.params()}
-    if a.backend == "vllm":
-        phases = {"eval": {**base, f"vLLM engine, awake ({vllm_memory_fraction():.0%} of the "
-                                   "card)": vllm_memory_fraction() * card}}
-    else:
-        phases = {"eval": {**base, **hf_sampling(s, rows, a.num_problems, P, a.max_new_tokens,
-                                                 finishing, card)}}
+    phases = {"eval": {**base, **(vllm_awake(card) if a.backend == "vllm" else hf_sampling(
+        s, rows, a.num_problems, P, a.max_new_tokens, finishing, card))}}
     R = min(response_tokens, a.max_new_tokens)
     time = {f"samples ({a.num_problems} x {a.num_samples})": rows * R / SAMPLE_TPS[s.label()]}
     if a.test_time:
