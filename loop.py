@@ -66,7 +66,7 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if device == "cpu" and trains_in_bf16(device):  # common.autocast's eager attention for
+        if device == "cpu" and trains_in_bf16(device):  # logprobs.autocast's eager attention for
             model.set_attn_implementation("eager")  # good: the recompute must run the forward's
     if lora_rank > 0:
         try:

@@ -214,12 +214,12 @@ def with_flags(command, **flags):
 def run_stage(words, phases, teacher=None):
     """main(argv) of the command's script in this process, opd.py handed `teacher` for its
     load_frozen; the wall time and its output dir's metrics rows."""
-    import models
+    import loop
     script = words[1][:-3]
     module = __import__(script)
-    load_frozen, t0 = models.load_frozen, time.time()
+    load_frozen, t0 = loop.load_frozen, time.time()
     if teacher is not None:  # under whichever name opd.py calls it
-        module.load_frozen = models.load_frozen = lambda *a, **kw: teacher  # noqa: E731
+        module.load_frozen = loop.load_frozen = lambda *a, **kw: teacher  # noqa: E731
     try:
         with phases.watching():
             if script == "evaluate":  # its main() reads sys.argv; time its sampling alone
@@ -234,7 +234,7 @@ def run_stage(words, phases, teacher=None):
                 module.main(words[2:])
     finally:
         if teacher is not None:
-            module.load_frozen = models.load_frozen = load_frozen
+            module.load_frozen = loop.load_frozen = load_frozen
     wall = time.time() - t0
     if "--output_dir" not in words:  # evaluate.py
         return wall, []
@@ -303,7 +303,7 @@ def stage_flags(name, command, work, common, tiny, eval_new, n_pairs):
 
 
 def build_teacher(tok, teacher_dir, device, big, tiny):
-    """OPD's teacher, random, in models.frozen_dtype (bf16 on a GPU) as models.load_frozen would
+    """OPD's teacher, random, in models.frozen_dtype (bf16 on a GPU) as loop.load_frozen would
     hold it, built here and handed to opd.py in its place (a 7B's 15 GB never go through the
     disk); its config.json alone is written, for memory.py. (teacher, note)"""
     from models import frozen_dtype
@@ -344,13 +344,14 @@ GROUP = 8  # rollouts a prompt in the sampler stage: 128 rows are 16 prompts, as
 
 def sampler_timed(model, tok, prompts, decode, new, seed=0):
     """One HFSampler(decode=...).generate of `prompts` x GROUP rows, `new` tokens each: its Rollouts
-    and times, cut by synchronized marks on sampler.py's helpers: the prefill, _graphed's warm-up
-    step and capture, the loop from the prefill's end to _trim."""
+    and times, cut by synchronized marks on fast_decode.py's helpers: the prefill, _graphed's
+    warm-up step and capture, the loop from the prefill's end to _trim."""
+    import fast_decode as F
     import sampler as S
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     marks = {"capture_s": 0.0, "captures": 0, "prefill_s": 0.0, "loop_s": 0.0, "batches": 0}
-    saved = S._prefill, S._graphed, S._trim
+    saved = F._prefill, F._graphed, F._trim
 
     def prefill(*a, **kw):
         t = time.time()
@@ -379,11 +380,11 @@ def sampler_timed(model, tok, prompts, decode, new, seed=0):
     sync()
     t0 = time.time()
     try:
-        S._prefill, S._graphed, S._trim = prefill, graphed, trim
+        F._prefill, F._graphed, F._trim = prefill, graphed, trim
         ro = S.HFSampler(model, tok, decode=decode).generate(prompts, GROUP, 1.0,
                                                              max_new_tokens=new, seed=seed)
     finally:
-        S._prefill, S._graphed, S._trim = saved
+        F._prefill, F._graphed, F._trim = saved
     sync()
     wall = time.time() - t0
     picks = max(map(len, ro.completion_ids))  # steps the batch ran (every row draws each step)
@@ -452,7 +453,7 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
     its launches per decode step. A line per run (sampler/run) and check (sampler/check) as each
     ends; none starts after `budget_s`. Returns the stage's summary."""
     import sampler as S
-    from common import autocast
+    from logprobs import autocast, logprob_gap
     from data import make_prompt
     with open(tasks_path) as f:
         tasks = [json.loads(x) for x in f]
@@ -531,7 +532,7 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
 
             def gap(part=part):
                 with autocast(device):
-                    return S.logprob_gap(model, tok, part, 1.0)
+                    return logprob_gap(model, tok, part, 1.0)
             g = attempt(f"sampler gap {d}", gap, decode=d)
             if g is not None:
                 emit({"stage": "sampler/check", "decode": d, "what": "sampler gap, 8 rows",

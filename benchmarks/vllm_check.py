@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data as D  # noqa: E402
+import logprobs as LP  # noqa: E402
 import models as M  # noqa: E402
 import sampler as S  # noqa: E402
 from verifier import score  # noqa: E402
@@ -28,7 +29,7 @@ def run(name, sampler, model, tok, tasks, args):
     tokens = sum(map(len, ro.completion_ids))
     rows = [t for t in tasks for _ in range(args.n)]
     acc = sum(score(x, t["nums"], t["target"]) == 1 for x, t in zip(ro.texts, rows)) / len(rows)
-    gap = S.logprob_gap(model, tok, ro, args.temperature)
+    gap = LP.logprob_gap(model, tok, ro, args.temperature)
     print(f"{name:5s} {len(ro.texts)} rollouts, {tokens} tokens in {dt:.1f} s = {tokens / dt:,.0f} tokens/s | "
           f"accuracy {acc:.3f} | log-prob gap to the trainer {gap:.1e}")
     return prompts
@@ -57,7 +58,7 @@ def main():
         if when == "after":
             engine.sync(moved)
         ro = engine.generate(prompts, args.n, args.temperature, max_new_tokens=args.max_new_tokens, seed=2)
-        print(f"perturbed trainer, {when} sync: gap {S.logprob_gap(moved, tok, ro, args.temperature):.1e}")
+        print(f"perturbed trainer, {when} sync: gap {LP.logprob_gap(moved, tok, ro, args.temperature):.1e}")
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def test_pip_install_carries_every_module_the_scripts_import(tmp_path):
 
 
 def test_checkpointed_lora_trains_under_cpu_bf16(tmp_path, monkeypatch):
-    """Step 5's flags (LoRA + gradient checkpointing) on a CPU with native bf16: common.autocast
+    """Step 5's flags (LoRA + gradient checkpointing) on a CPU with native bf16: logprobs.autocast
     switches attention to eager for the forward, so the recompute in backward must run eager too
     (it ran SDPA, and torch's checkpoint refused the mismatch: CheckpointError)."""
     import sft
