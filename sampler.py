@@ -8,10 +8,8 @@ interface (generate -> Rollouts, sync(model), sleep(), wake()):
                ".[vllm]"` on a GPU; its CPU build runs the opt-in lane `pytest -m vllm`). Every RL
                script logs the sampler/trainer log-prob canary (train/sampler_gap): a weight sync
                that stops working shows there at once.
-The RL scripts' rollout plumbing is here too: rollouts() samples, score_rollouts() runs the
-verifier, probe() measures the init per problem (logprobs.micro_batches() turns rows into
-trainer tensors).
-"""
+The RL scripts' side is here too: rollouts() samples, score_rollouts() runs the verifier, probe()
+measures the init on each problem."""
 import contextlib
 import functools
 import inspect
@@ -33,9 +31,8 @@ class Rollouts:
     """n completions per prompt, flattened prompt-major: row i belongs to prompt i // n."""
     prompt_ids: list        # per prompt: token ids
     completion_ids: list    # per row: token ids, EOS included when the completion finished
-    logprobs: list          # per row: log-prob of each token under softmax(logits / T), the
-                            # distribution that sampled it (T = 0: raw); top-k / top-p not
-                            # applied (RL uses neither)
+    logprobs: list          # per row: each token's log-prob under softmax(logits / T), the
+                            # distribution that sampled it (T = 0: raw), before top-k / top-p
     texts: list             # per row: decoded completion without EOS
     finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
 
@@ -124,7 +121,7 @@ class HFSampler:
         row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * slots * 2
         return max(1, min(self.batch_size, int(self.kv_budget / 2 // row)))
 
-    def sync(self, model):
+    def sync(self, model):  # the training model itself samples: nothing to copy
         self.model = model
 
     def sleep(self):  # vLLM frees its GPU memory here; the HF sampler holds none of its own
@@ -134,9 +131,8 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
                  seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
-        """`bottom_p` < 1: paper 002's bottom-p on each token with probability `bottom_p_freq`.
-        `seed_requests` is vLLM's; here one generator, seeded by `seed`, serves the call.
-        `progress(rows)` is called after each batch (evaluate.py's progress bar)."""
+        """One generator seeded by `seed` serves the call (`seed_requests` is vLLM's); bottom_p < 1:
+        002's bottom-p on a token with probability bottom_p_freq; progress(rows) after a batch."""
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
         gen = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -350,9 +346,8 @@ def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=204
 
 def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature,
              max_new_tokens, seed, bottom_p=1.0, bottom_p_freq=1.0):
-    """n completions for each task's prompt from `sampler` after syncing it to `model`, at
-    `temperature` (one for all, or a list: one per task, paper 002's per-example temperature)
-    with top_p 1 and no top_k (the RL scripts' sampling), and paper 002's bottom-p if asked."""
+    """n completions for each task's prompt from `sampler` synced to `model`, top_p 1 and no top_k,
+    at `temperature` (or a list: one per task, paper 002's per-example temperature)."""
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
     prompt_lens = [len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     if max(prompt_lens) > max_prompt_len:
@@ -384,10 +379,9 @@ def _merge(parts, n_prompts, n):
 
 
 def score_rollouts(ro, tasks, reward="sparse", wrong_reward=0.1, no_answer_reward=0.0):
-    """The verifier on every rollout: scores (n·len(tasks),) in {0, 0.1, 1}, for accuracy and
-    format, and the training reward (len(tasks), n): the same scores with `wrong_reward` in place
-    of the 0.1 of a wrong answer and `no_answer_reward` in place of the 0 of no answer (sparse;
-    paper 000: 0.1 and 0), or paper 001's dense partial credit."""
+    """The verifier on every rollout: scores (n·len(tasks),) in {0, 0.1, 1}, and the training
+    reward (len(tasks), n): the scores with `wrong_reward` for the 0.1 of a wrong answer and
+    `no_answer_reward` for the 0 of none (sparse; 000: 0.1 and 0), or 001's dense credit."""
     n = len(ro.texts) // len(tasks)
     row_tasks = [t for t in tasks for _ in range(n)]
     scores = torch.tensor([score(x, t["nums"], t["target"]) for x, t in zip(ro.texts, row_tasks)])
