@@ -1,8 +1,9 @@
-"""The plumbing around every training loop, so a script's loop shows only its algorithm: `Run` owns
-the data order, the optimizer step with its finite check, the periodic evaluation, checkpoint and
-resumable state, and the log; `StepStats` adds up a step's metrics over its micro-batches;
-`rollout_metrics` are paper 001's flatline diagnostics of an RL batch. Nothing here knows an
-algorithm."""
+"""The run around every training loop, so a script's loop shows only its algorithm. Before it: the
+output dir (prepare_run), the policy to train and the frozen models beside it. In it: `Run` owns the
+data order, the optimizer step with its finite check, the periodic evaluation (eval_metrics),
+checkpoint and resumable state, and the log; `StepStats` adds up a step's metrics over its
+micro-batches; `rollout_metrics` are paper 001's flatline diagnostics of an RL batch. Nothing here
+knows an algorithm."""
 import contextlib
 import copy
 import os

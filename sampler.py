@@ -77,7 +77,7 @@ class HFSampler:
                its own KV cache;
       dynamic  (a CPU's default) its fast twin in fast_decode.py, the same tokens and log-probs
                (tests/test_sampler.py): the model's modules called one by one over a cache written
-               in place. The tiny model's RL rollouts sampled 1.6x as fast (docs/studies/performance.md);
+               in place, 1.6-1.9x the plain loop's tokens/s (docs/studies/reader_path.md);
       static, graph  (a GPU's default: graph) fast_decode.py's step at fixed shapes, captured as a
                CUDA graph and replayed per token (CUDA only).
     1,024 rows a batch: the tiny model's evaluation sampled 22,200 tokens/s on 2 CPU cores, 17,000
