@@ -3,15 +3,12 @@ fast_decode.py's twin, tokens/s of one generate call each, alternating A/B/A/B s
 load hits both alike; the tokens must be the same. (docs/studies/reader_path.md)
 
     python benchmarks/decode_speed.py [--init out/cpu/sft] [--decodes plain,dynamic] [--rounds 2]
-Shapes: the RL scripts' (64 prompts x 8 at T 0.7) and evaluate.py's (200 x 16 at T 0.6, top-p 0.95,
-top-k 20), 160 new tokens each, as run_cpu.sh samples.
-"""
+Shapes: the RL scripts' (64 prompts x 8, T 0.7) and evaluate.py's (200 x 16, T 0.6, top-p 0.95,
+top-k 20), 160 new tokens each, as run_cpu.sh samples."""
 import argparse
 import os
 import sys
 import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import load_tasks, make_prompt  # noqa: E402
@@ -30,7 +27,6 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=160)
     args = p.parse_args()
     model, tok = load_model(args.init)
-    model.eval()
     decodes = args.decodes.split(",")
     for name, s in SHAPES.items():
         tasks = load_tasks("gen:nums=3-4,range=1-99,target=10-100", s["split"], s["problems"])
@@ -39,9 +35,8 @@ def main():
         for _ in range(args.rounds):
             for d in decodes:
                 start = time.perf_counter()
-                with torch.no_grad():
-                    ro = HFSampler(model, tok, decode=d).generate(
-                        prompts, s["n"], s["temperature"], s["top_p"], s["top_k"], args.max_new_tokens, seed=0)
+                ro = HFSampler(model, tok, decode=d).generate(
+                    prompts, s["n"], s["temperature"], s["top_p"], s["top_k"], args.max_new_tokens, seed=0)
                 secs[d] += time.perf_counter() - start
                 toks[d] += sum(map(len, ro.completion_ids))
                 outs[d] = ro.completion_ids
