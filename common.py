@@ -65,9 +65,9 @@ class TrainArgs:
     eval_problems: int = arg(200, "held-out problems per evaluation")
     eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
     eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
-    decode: str = arg("auto", "the HF sampler's decode loop: auto (the faster here: fast_decode.py's) "
-                              "| plain (sampler.py's, over transformers' cache) | dynamic | static "
-                              "| graph (sampler.HFSampler)")
+    decode: str = arg("auto", "the HF sampler's decode loop: auto (the faster here: "
+                              "fast_decode.py's) | plain (sampler.py's, over transformers' cache) "
+                              "| dynamic | static | graph (sampler.HFSampler)")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
     wandb_project: str = arg("", "log to this wandb project too (off when empty)")
     save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 "

@@ -190,7 +190,7 @@ def load_tasks(data, split, n=None):
     return [{"nums": list(r["nums"]), "target": r["target"]} for r in rows[:n]]
 
 
-# ---- what sft.py and ipo.py train on --------------------------------------------------------------
+# ---- what sft.py and ipo.py train on ------------------------------------------------------------
 # the unverified source's mistakes, the analog of LLM-written traces: 63 % wrong, 37 % correct
 LLM_MISTAKES = "slip:0.25,reuse:0.15,giveup:0.15,malformed:0.08"
 

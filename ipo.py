@@ -104,7 +104,7 @@ def build_pairs(pairs, data, num_prompts, template, sampler, group_size, tempera
                 ], f"{len(rows)} pairs from {pairs}"
     tasks = load_tasks(data, "train", num_prompts)
     rng = random.Random(seed)
-    if pairs == "solver":  # paper 001 "scripted": a solver trace vs the same trace, operator flipped
+    if pairs == "solver":  # paper 001 "scripted": a solver trace vs the trace, operator flipped
         out = solver_pairs(tasks, template, rng)
         return out, f"{len(out)} solver pairs from {len(tasks)} prompts"
     # the init's samples: a right one and a wrong one of the same prompt

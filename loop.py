@@ -293,7 +293,8 @@ class Run:
         self.pool_size = self.extra.get("pool_size")  # the pool `order` shuffles
         self.grad_norms = []  # this step's (GRPO makes several)
         if config is not None:  # and the precision its training forwards compute in
-            config = {**config, "train_compute": "bf16" if trains_in_bf16(model.device.type) else "fp32"}
+            bf16 = trains_in_bf16(model.device.type)
+            config = {**config, "train_compute": "bf16" if bf16 else "fp32"}
         self.log = Logger(output_dir, total_steps, config, wandb_project, self.start)
 
     def steps(self):

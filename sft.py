@@ -138,13 +138,13 @@ def main(argv=None):
                                      num_hidden_layers=args.tiny_layers)
     if args.data.startswith("rlt"):  # 004 §A.1: RLT's teacher format, the solution in the prompt
         data = partial(teacher_sft_data, args.data, template=args.template, seed=args.seed,
-                       dead_ends=args.dead_ends, near_misses=args.near_misses,
-                       strategies=args.strategies)
+                       dead_ends=args.dead_ends, near_misses=args.near_misses, mix=mix)
     else:
-        data = partial(sft_data, args.data, template=args.template, eval_problems=args.eval_problems,
-                       dead_ends=args.dead_ends, near_misses=args.near_misses,
-                       fixed_traces=args.fixed_traces, seed=args.seed, mix=mix, mistakes=mistakes,
-                       verified=args.verified, rebuild=args.rebuild_prompts)
+        data = partial(sft_data, args.data, template=args.template,
+                       eval_problems=args.eval_problems, dead_ends=args.dead_ends,
+                       near_misses=args.near_misses, fixed_traces=args.fixed_traces, seed=args.seed,
+                       mix=mix, mistakes=mistakes, verified=args.verified,
+                       rebuild=args.rebuild_prompts)
     prompts, write_responses = data("train", args.num_train)
     if args.problems:  # a file's training rows: all but its held-out tail, as sft_data splits it
         prompts, write_responses = only_problems(prompts, write_responses, common_queries(

@@ -1,6 +1,6 @@
-"""HFSampler's decode loop (the model's own modules, a KV cache written in place): its logits are
-the model's, its log-probs the trainer's, its draws the loop's it replaced
-(sampler.py's plain loop, decode='plain', the reference), with and without LoRA."""
+"""HFSampler's fast decode loop (fast_decode.py: the model's own modules, a KV cache written in
+place): its logits are the model's, its log-probs the trainer's, its draws the plain loop's token
+for token (sampler.py's loop over transformers' cache, decode='plain'), with and without LoRA."""
 import warnings
 
 import pytest
@@ -108,26 +108,25 @@ def test_sampled_logprobs_match_the_trainers_forward(temperature, eos_logit):
     (3.5, dict(temperature=1.0, bottom_p=0.5, bottom_p_freq=0.5)),
     (0.8, dict(temperature=0.0)),
 ])
-def test_same_seed_gives_the_old_loops_tokens(monkeypatch, eos_logit, options):
-    """The same seed draws the same tokens as the loop it replaced (the transformers forward with
+def test_the_fast_twin_draws_the_plain_loops_tokens(monkeypatch, eos_logit, options):
+    """The same seed draws the same tokens as the plain loop (the transformers forward with
     its DynamicCache), with the same log-probs and stops: the generator is used in the same order
     and the arithmetic agrees closely enough that no draw flips. The cache's written-in-place part
     holds 5 tokens, so that appends to the rest happen between the drops."""
     monkeypatch.setattr(F._KVCache, "R", 5)
     model, tok = tiny(eos_logit)
-    new, old = (S.HFSampler(model, tok, batch_size=8, decode=decode).generate(PROMPTS, 6, max_new_tokens=24, seed=2,
-                                                       **options)
-                for decode in ("dynamic", "plain"))
-    assert 0 < sum(new.finished) < len(new.finished)
-    assert new.completion_ids == old.completion_ids and new.finished == old.finished
-    assert new.texts == old.texts
-    for a, b in zip(new.logprobs, old.logprobs):
+    fast, plain = (S.HFSampler(model, tok, batch_size=8, decode=decode).generate(
+        PROMPTS, 6, max_new_tokens=24, seed=2, **options) for decode in ("dynamic", "plain"))
+    assert 0 < sum(fast.finished) < len(fast.finished)
+    assert fast.completion_ids == plain.completion_ids and fast.finished == plain.finished
+    assert fast.texts == plain.texts
+    for a, b in zip(fast.logprobs, plain.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
 
 
 def test_lora_model_samples_through_its_adapters(tiny_ckpt):
     """A peft model with trained (nonzero) adapters: its samples carry its own log-probs (not the
-    base model's), and the tokens are the old loop's."""
+    base model's), and the tokens are the plain loop's."""
     model, _, _ = loop.load_policy(tiny_ckpt, False, lora_rank=4)
     tok = M.build_tiny_tokenizer()
     torch.manual_seed(0)
@@ -140,8 +139,8 @@ def test_lora_model_samples_through_its_adapters(tiny_ckpt):
     with model.disable_adapter():  # the adapters change the log-probs: they were used
         with pytest.raises(AssertionError):
             assert_logprobs_are_the_trainers(model, tok, ro, 0.7)
-    old = S.HFSampler(model, tok, decode="plain").generate(PROMPTS, 3, 0.7, max_new_tokens=16, seed=0)
-    assert ro.completion_ids == old.completion_ids
+    plain = S.HFSampler(model, tok, decode="plain").generate(PROMPTS, 3, 0.7, max_new_tokens=16, seed=0)
+    assert ro.completion_ids == plain.completion_ids
 
 
 def test_llama_decodes_too_and_other_models_are_refused():
