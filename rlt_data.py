@@ -7,9 +7,9 @@ import os
 import random
 
 from common import CountdownError
-from data import load_tasks, make_prompt, write_jsonl
+from data import file_split, load_tasks, make_prompt, read_jsonl, write_jsonl
 from traces import arithmetic, make_trace
-from verifier import extract_answer, solve
+from verifier import extract_answer, score, solve
 
 
 # ---- the two prompt formats (004 Fig. 6-7, adapted) ----------------------------------------------
@@ -35,13 +35,29 @@ def student_row(task, explanation, solution, template):
             "completion": student_completion(explanation, solution)}
 
 
-def teacher_sft_data(data, split, n, template, seed=0, dead_ends=0.0, near_misses=0.0, mix=None):
-    """sft.py's `--data rlt:SPEC`: the teacher's format warm-up (004 §A.1) on generated problems,
-    one solver trace each: the prompt is teacher_prompt with the trace's answer, the target its
-    text up to </think>. Returns (prompts, rng -> responses), as data.sft_data."""
-    tasks = load_tasks("gen:" + data.partition(":")[2], split, n or 20_000)
-    rng = random.Random(seed)
-    traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix) for t in tasks]
+def teacher_sft_data(data, split, n, template, eval_problems=0, seed=0, dead_ends=0.0,
+                     near_misses=0.0, mix=None):
+    """sft.py's `--data rlt:SOURCE`: the teacher's format warm-up (004 §A.1). Each trace becomes
+    a teacher example: the prompt is teacher_prompt with the trace's own answer, the target its
+    text up to </think>. SOURCE is a JSONL file of samples (nums, target, completion), as the
+    paper's warm-up rewrites its baseline's own distillation traces: here evaluate.py --export's
+    accepted samples of the verified teacher, each kept only where the verifier accepts it (the
+    file's last rows held out, as data.file_split); or the generator's spec, one solver trace a
+    problem. Returns (prompts, rng -> responses), as data.sft_data."""
+    source = data.partition(":")[2]
+    if os.path.isfile(source):  # prompts built here, not matched: they are the teacher's
+        rows = file_split(read_jsonl(source, ["nums", "target", "completion"]), split,
+                          eval_problems)
+        rows = [r for r in rows if score(r["completion"], r["nums"], r["target"]) == 1.0][:n or None]
+        if not rows:
+            raise CountdownError(f"--data {data}: no sample the verifier accepts in its {split} rows")
+        tasks, traces = [{"nums": r["nums"], "target": r["target"]} for r in rows], [
+            r["completion"] for r in rows]
+    else:
+        tasks = load_tasks("gen:" + source, split, n or 20_000)
+        rng = random.Random(seed)
+        traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix)
+                  for t in tasks]
     prompts = [teacher_prompt(t, extract_answer(x), template) for t, x in zip(tasks, traces)]
     explanations = [x.split("</think>")[0] + "</think>" for x in traces]
     return prompts, lambda rng: explanations

@@ -92,7 +92,8 @@ class HFSampler:
             raise CountdownError(f"--batch_size (rows decoded together) must be at least 1, not "
                                  f"{batch_size}")
         if decode not in (None, *self.DECODE):
-            raise CountdownError(f"decode must be one of {', '.join(self.DECODE)}, not {decode!r}")
+            raise CountdownError(
+                f"--decode must be one of auto, {', '.join(self.DECODE)}; not {decode!r}")
         self.model, self.tok, self.batch_size, self.decode = model, tokenizer, batch_size, decode
         if kv_budget is None and model.device.type == "cuda":
             kv_budget = torch.cuda.get_device_properties(model.device).total_memory / 4

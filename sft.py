@@ -38,8 +38,9 @@ class Args(TrainArgs):
                     "model to fine-tune: hub name, checkpoint dir, or `tiny` (from scratch)")
     data: str = arg("Asap7772/cog_behav_all_strategies",
                     "SFT data: hub/JSONL with query+completion, gen[:...] traces, arith[:...] "
-                    "plain arithmetic over those problems' numbers (the base stage), or rlt[:...] "
-                    "traces in RLT's teacher format (004 §A.1)")
+                    "plain arithmetic over those problems' numbers (the base stage), or "
+                    "rlt:SPEC|FILE.jsonl RLT's teacher format warm-up (004 §A.1) on solver traces "
+                    "or on a file's samples (rlt_data.teacher_sft_data)")
     output_dir: str = arg("out/sft", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for init, shuffling and sampling")
     template: str = arg("base", "prompt template for generated data and eval: base | compact")
@@ -137,8 +138,9 @@ def main(argv=None):
                                      hidden_size=args.tiny_hidden,
                                      num_hidden_layers=args.tiny_layers)
     if args.data.startswith("rlt"):  # 004 §A.1: RLT's teacher format, the solution in the prompt
-        data = partial(teacher_sft_data, args.data, template=args.template, seed=args.seed,
-                       dead_ends=args.dead_ends, near_misses=args.near_misses, mix=mix)
+        data = partial(teacher_sft_data, args.data, template=args.template,
+                       eval_problems=args.eval_problems, seed=args.seed, dead_ends=args.dead_ends,
+                       near_misses=args.near_misses, mix=mix)
     else:
         data = partial(sft_data, args.data, template=args.template,
                        eval_problems=args.eval_problems, dead_ends=args.dead_ends,

@@ -18,10 +18,11 @@ import models as M
 import opd
 import rlt
 import sampler as S
-import sft
-from checkpoints import save_checkpoint
-from verifier import score
 import rlt_data as RD
+import sft
+import traces as TR
+from checkpoints import save_checkpoint
+from verifier import extract_answer, score
 
 # rlt.score_explanations, and the reward 004 §A.1 makes of its parts
 SCORE = dict(template="compact", micro_batch=2, temperature=1.0, kl_estimator="exact")
@@ -208,6 +209,33 @@ def test_rlt_sft_data_is_the_teacher_format_explaining_its_own_solution():
         assert expl.count("</think>") == 1 and "<answer>" not in expl
         assert score(RD.student_completion(expl.removesuffix("</think>"), sol), task["nums"], task["target"]) == 1.0
 
+
+def test_rlt_warmup_from_a_file_rewrites_the_teachers_accepted_samples(tmp_path, tiny_ckpt):
+    """004 §A.1 as the paper does it: the warm-up rewrites the baseline's own samples (here an
+    evaluate.py --export file) into the teacher's format: the prompt names the sample's own answer,
+    the target is the sample up to </think>. A sample the verifier rejects is no teacher example;
+    the file's last row is held out, as sft.py holds out a file's; sft.py trains on it as written
+    (no query matching: these prompts are the teacher's)."""
+    import random
+    tasks = D.load_tasks(GEN, "train", 12)
+    rows = [{"query": D.make_prompt(t["nums"], t["target"], "compact"), "nums": t["nums"], "target": t["target"],
+             "completion": TR.make_trace(t["nums"], t["target"], random.Random(i))} for i, t in enumerate(tasks)]
+    rows[0]["completion"] = rows[0]["completion"].replace("<answer>", "<answer>1 + ")  # rejected
+    path = tmp_path / "accepted.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts, responses = RD.teacher_sft_data(f"rlt:{path}", "train", None, "compact", eval_problems=4)
+    kept = rows[1:-1]  # the rejected one out, the last (min(4, 12 // 10) = 1) held out
+    assert prompts == [RD.teacher_prompt(r, extract_answer(r["completion"]), "compact") for r in kept]
+    assert responses(None) == [r["completion"].split("</think>")[0] + "</think>" for r in kept]
+    assert RD.teacher_sft_data(f"rlt:{path}", "val", None, "compact", eval_problems=4)[0] == [
+        RD.teacher_prompt(rows[-1], extract_answer(rows[-1]["completion"]), "compact")]
+    (tmp_path / "none.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(C.CountdownError, match="no sample the verifier accepts"):
+        RD.teacher_sft_data(f"rlt:{tmp_path / 'none.jsonl'}", "train", None, "compact")
+    sft.main(["--init", tiny_ckpt, "--data", f"rlt:{path}", "--eval_data", GEN, "--template", "compact",
+              "--batch_size", "4", "--micro_batch", "4", "--max_steps", "2", "--eval_problems", "4",
+              "--eval_samples", "2", "--eval_max_new_tokens", "8", "--output_dir", str(tmp_path / "warm")])
+    assert len(open(tmp_path / "warm" / "metrics.jsonl").readlines()) == 2
 
 def test_sft_cosine_ends_at_final_lr(tmp_path):
     """004 Table 5's student recipe decays to 1e-6, not 0."""

@@ -233,3 +233,28 @@ def test_a_kv_cache_budget_bounds_the_rows_decoded_together(monkeypatch):
     monkeypatch.setattr(S.HFSampler, "_batch", lambda self, rows, *a: sizes.append(len(rows)) or batch(self, rows, *a))
     ro = sampler.generate(PROMPTS, 3, 1.0, max_new_tokens=L, seed=0)
     assert sizes == [4, 4, 1] and len(ro.completion_ids) == 9
+
+
+def test_the_decode_flag_picks_the_loop_and_a_script_logs_the_same_either_way(tiny_ckpt, tmp_path,
+                                                                               monkeypatch):
+    """--decode plain runs sampler.py's plain loop in a script (its _batch is called); its rollouts
+    are the fast twin's, so two RLOO steps log the same metrics, times aside. A loop that is not
+    one is one line naming the choices."""
+    import json
+
+    import rloo
+    from test_rl import FAST
+    calls, batch = [], S.HFSampler._batch
+    monkeypatch.setattr(S.HFSampler, "_batch", lambda self, *a: calls.append(1) or batch(self, *a))
+    rows = {}
+    for decode in ("plain", "auto"):
+        n = len(calls)
+        rloo.main(["--init", tiny_ckpt, *FAST, "--decode", decode, "--output_dir", str(tmp_path / decode)])
+        assert (len(calls) > n) == (decode == "plain"), decode
+        rows[decode] = [{k: v for k, v in json.loads(x).items() if k != "wall" and not k.startswith("time/")}
+                        for x in open(tmp_path / decode / "metrics.jsonl")]
+    assert len(rows["plain"]) == 3 and rows["plain"] == rows["auto"]
+    model, tok = tiny()
+    with pytest.raises(CountdownError, match="--decode must be one of auto, plain, dynamic"):
+        S.HFSampler(model, tok, decode="fast")
+
