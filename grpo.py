@@ -98,10 +98,12 @@ class Args(RLArgs):
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
                                 "near misses (001)")
     wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
-                                   "the 0.1 pays for claiming success falsely "
-                                   "(docs/studies/arithmetic.md)")
+                                   "the budget cuts many searches short, or the 0.1 pays for "
+                                   "claiming success falsely (docs/studies/arithmetic.md)")
     no_answer_reward: float = arg(0.0, "sparse reward of a rollout without a complete answer (000: "
-                                       "0; docs/studies/strategies.md)")
+                                       "0); at 0 with a negative --wrong_reward, a search cut "
+                                       "short beats a wrong answer, so the policy learns not to "
+                                       "answer (docs/studies/strategies.md)")
     curriculum: str = arg("none", "none | tiers (001 Alg. 1: success-gated tiers by operand count, "
                                   "then target) | filter (002 §5.2: problems the init solves "
                                   "sometimes)")
