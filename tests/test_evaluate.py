@@ -206,12 +206,17 @@ def test_live_selector_stops_at_the_first_verified_sample():
 
 
 def test_cli_test_time_runs_the_live_selector(tmp_path, tiny_ckpt):
-    out = tmp_path / "e"
-    cmd = [sys.executable, "evaluate.py", "--model", tiny_ckpt, "--data", "gen:nums=3,range=1-9,test=20,val=8",
+    """Also --skip_problems: the problems after the first 3 of the split (RLT's warm-up samples other
+    problems than its exports)."""
+    import data as D
+    out, data = tmp_path / "e", "gen:nums=3,range=1-9,test=20,val=8"
+    cmd = [sys.executable, "evaluate.py", "--model", tiny_ckpt, "--data", data, "--skip_problems", "3",
            "--num_problems", "4", "--num_samples", "2", "--max_new_tokens", "8", "--template", "compact",
            "--test_time", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    problems = [{"nums": x["nums"], "target": x["target"]} for x in map(json.loads, open(out / "samples.jsonl"))]
+    assert problems == D.load_tasks(data, "test", 7)[3:]
     live = json.load(open(out / "summary.json"))["verification_live"]
     assert list(live["budgets"]) == ["1", "2"] and 1.0 <= live["budgets"]["2"]["avg_samples"] <= 2.0
     assert "test-time verification (live)" in r.stdout
@@ -228,7 +233,6 @@ def test_export_keeps_each_problems_first_accepted_sample_as_sft_rows(tmp_path):
     the verifier accepts, in the prompt the template builds; a problem with none is left out; sft.py
     trains on the file as it is."""
     import data as D
-    import sft
     from verifier import score
     records = [{"nums": [3, 5, 7], "target": 56, "completions": ["<answer>3 + 5</answer>", "<answer>(3 + 5) * 7</answer>",
                                                                 "<answer>7 * (5 + 3)</answer>"]},
