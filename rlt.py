@@ -23,8 +23,10 @@ B x G explanations at the start (--no-balance: the flags). Departures:
      of its text.
   3. The GRPO update is grpo.py's with 004's choices fixed: seq-mean loss, one pass (ρ = 1: π_old is
      the trainer's forward), KL to a synced reference, log-probs of logits / T (T = 0.7) in ρ.
-  4. Embedded setting: the SFT model is both the teacher's init and the student, 16 prompts x 8
-     (README, "RLT"); solutions from the restricted solver, whose steps the traces can write
+  4. Embedded setting (run_cpu.sh): the teacher starts from the SFT model after a format SFT on
+     the baseline's own data, as 004's (sft.py --data rlt:FILE: the verified teacher's accepted
+     samples); the student is the baseline's (teacher_student, as 004 scores with its baseline's),
+     16 prompts x 8; solutions from the restricted solver, whose steps the traces can write
      (rlt_data.solved); the export's budget twice the training one (004 Table 4).
 
 Real (1×H100):

@@ -14,6 +14,7 @@
 #   RLT=1 ./run_cpu.sh                  also paper 004's comparison: RLT's teacher and its student against two
 #                                       students (the teacher's accepted samples, the solver's traces); ~+20 min here
 #   RLT_CONTROL=1 ./run_cpu.sh          RLT=1 and RLT's control: a student of the untrained teacher (+2.5 min here)
+#   RLT_STUDENT=sft RLT=1 ./run_cpu.sh  RLT's reward scored by the SFT model, not teacher_student (chosen on val)
 #   ANTICOLLAPSE=1 ./run_cpu.sh         also paper 000's anti-collapse study (two more OPD stages, ~+10 min)
 #   Each adds to a finished run: its stages run, the finished ones are skipped
 # At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
@@ -22,6 +23,9 @@ cd "$(dirname "$0")"
 FORCE=${FORCE:-}
 RLT_CONTROL=${RLT_CONTROL:-}
 RLT=${RLT:-$RLT_CONTROL}
+RLT_STUDENT=${RLT_STUDENT:-teacher_student}
+[[ $RLT_STUDENT == sft || $RLT_STUDENT == teacher_student ]] || {
+  echo "error: RLT_STUDENT=$RLT_STUDENT: the reward's student is sft or teacher_student" >&2; exit 2; }
 REBUILD_BASE=${REBUILD_BASE:-}
 REBUILD_TEACHER=${REBUILD_TEACHER:-}
 SERIAL=${SERIAL:-}
@@ -184,7 +188,8 @@ solver_student() { stage solver_student python sft.py "${STUDENT[@]}" --fixed_tr
 #    like RLOO's and β 0.04 (004's), not grpo.py's defaults (002's T 1.5, β 0.001); IPO on the SFT model's own
 #    verifier-labelled samples (000 Eq. 2; lr 3e-5: at 1e-4 the chosen responses lost 1.8 nats too and val pass@1
 #    fell 0.509 -> 0.404, docs/studies/arithmetic.md); and RLT's teacher's short SFT in its own format (004 §A.1: the
-#    solution in the prompt, a solver trace as the explanation; docs/studies/rlt_recipe.md)
+#    solution in the prompt; as the paper's, the explanations are its baseline's own data, here the teacher's accepted
+#    samples of 2,000 other training problems; `--data rlt:SPEC` writes solver traces instead, docs/studies/teachers.md)
 rloo() { stage rloo python rloo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" "${PG[@]}" --output_dir "$OUT/rloo"; }
 OPD=(--teacher "$OUT/teacher" --kl_coef 0.03 "${COMMON[@]}" "${RL[@]}" "${PG[@]}")
 opd() { stage opd python opd.py --init "$OUT/sft" "${OPD[@]}" --output_dir "$OUT/opd"; }
@@ -192,25 +197,36 @@ grpo() { stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" -
   --output_dir "$OUT/grpo"; }
 ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts 1024 --max_new_tokens 160 \
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"; }
-rlt_sft() { stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --near_misses 0.5 --micro_batch 16 \
-  --dead_ends 1 --data "rlt:${DATA#gen:}" --lr 1e-3 --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 \
-  --output_dir "$OUT/rlt_sft"; }
-#    Then RLT's teacher (004), after rlt_sft in its unit: it learns to explain given solutions to the frozen
-#    SFT student, with the reward as its authors run it (the written token's log-ratio for KL_t, both models at
-#    T 0.7) and 004 Table 3's λ 3, α 0.01 (--no-balance: §A.1's rule gives λ 13.4, α 0.085 here, and its student
-#    scored val 0.187 against 0.223; docs/studies/teachers.md §4b), and writes explanations for the
-#    first 2,000 training problems at twice the training budget (004 Table 4); a quarter of them are searches
-#    that never end, so a problem whose explanation did not close is drawn again, up to 3 times (004 §B).
+rlt_sft() {  # RLT's format warm-up on the baseline's own data (004 §A.1): the teacher's accepted samples of the
+  #             2,000 training problems after RLT's, each rewritten as a teacher example (sft.py --data rlt:FILE)
+  local warmup=$OUT/teacher/warmup.jsonl
+  if [[ ! -f $warmup || -n $FORCE ]]; then
+    echo "== teacher: evaluating (4 samples of training problems 2,000-4,000: rlt_sft's data)"
+    echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --skip_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export $warmup"
+    logged rlt_sft python evaluate.py --model "$OUT/teacher" --data "$DATA" --split train --num_problems 2000 \
+      --skip_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export "$warmup"
+  fi
+  stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --micro_batch 16 --data "rlt:$warmup" --lr 1e-3 \
+    --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 --output_dir "$OUT/rlt_sft"
+}
+#    Then RLT's teacher (004), after rlt_sft in its unit: it learns to explain given solutions to a frozen
+#    student, RLT_STUDENT: teacher_student, the analogue of 004's (its baseline's student; its RLT student's val
+#    pass@1 0.238 against 0.198 with sft, docs/studies/teachers.md §4c), or sft; with the reward as its authors
+#    run it (the written token's log-ratio for KL_t, both models at T 0.7) and 004 Table 3's λ 3, α 0.01
+#    (--no-balance: §A.1's rule gives λ 13.4, α 0.085 here, and its student scored val 0.187 against 0.223;
+#    docs/studies/teachers.md §4b), and writes explanations for the first 2,000 training problems at twice the
+#    training budget (004 Table 4); a quarter of them are searches that never end, so a problem whose explanation
+#    did not close is drawn again, up to 3 times (004 §B).
 #    With RLT_CONTROL=1 also the untrained teacher's explanations (the same model, 0 steps)
 rlt() {
   rlt_sft
-  stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --lr 1e-4 --batch_size 16 \
-    --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
+  stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/$RLT_STUDENT" "${COMMON[@]}" --lr 1e-4 \
+    --batch_size 16 --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
     --no-balance --export "$OUT/rlt/traces.jsonl" --export_redraws 3 --output_dir "$OUT/rlt"
   if [[ -n $RLT_CONTROL ]]; then
-    stage rlt0 python rlt.py --init "$OUT/rlt_sft" --student "$OUT/sft" "${COMMON[@]}" --batch_size 16 --group_size 8 \
-      --micro_batch 64 --max_response_len 160 --max_steps 0 --no-balance --export "$OUT/rlt0/traces.jsonl" \
-      --export_redraws 3 --output_dir "$OUT/rlt0"
+    stage rlt0 python rlt.py --init "$OUT/rlt_sft" --student "$OUT/$RLT_STUDENT" "${COMMON[@]}" --batch_size 16 \
+      --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 0 --no-balance \
+      --export "$OUT/rlt0/traces.jsonl" --export_redraws 3 --output_dir "$OUT/rlt0"
   fi
 }
 
@@ -238,8 +254,8 @@ if [[ -n $UNIT ]]; then "$UNIT"; exit; fi
 # Paper 000's table by default. The teacher's 2.5-min test evaluation waits for sft then, so that sft starts on every
 # core (compiled, it keeps the threads it starts with); with RLT=1 it starts beside sft, as its student does
 UNITS=(sft teacher:sft grpo:sft opd:sft,teacher rloo:sft ipo:sft)
-if [[ -n $RLT ]]; then UNITS=(sft teacher solver_student teacher_student:teacher rlt:sft grpo:sft opd:sft,teacher rloo:sft
-                               ipo:sft rlt_student:rlt); fi
+if [[ -n $RLT ]]; then UNITS=(sft teacher solver_student teacher_student:teacher "rlt:sft,teacher,$RLT_STUDENT" grpo:sft
+                               opd:sft,teacher rloo:sft ipo:sft rlt_student:rlt); fi
 if [[ -n $ANTICOLLAPSE ]]; then UNITS+=(opd_anticollapse:opd opd_longer:opd); fi
 export PYTHON=$PY CORES
 ARGS=(--out "$OUT" --cores "$CORES" --status_every "${STATUS_EVERY:-30}")

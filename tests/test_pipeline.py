@@ -15,8 +15,8 @@ import pipeline
 from conftest import GEN, ROOT
 
 UNITS = ["sft", "teacher:sft", "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft"]  # run_cpu.sh's
-RLT_UNITS = ["sft", "teacher", "solver_student", "teacher_student:teacher", "rlt:sft", "grpo:sft",
-             "opd:sft,teacher", "rloo:sft", "ipo:sft", "rlt_student:rlt"]  # with RLT=1
+RLT_UNITS = ["sft", "teacher", "solver_student", "teacher_student:teacher", "rlt:sft,teacher,teacher_student",
+             "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft", "rlt_student:rlt"]  # with RLT=1
 
 
 @pytest.mark.parametrize("cores,n,want", [(1, 1, [1]), (1, 3, [1, 1, 1]), (2, 1, [2]), (2, 2, [1, 1]),
@@ -106,6 +106,19 @@ def test_a_rerun_evaluates_only_what_changed_and_rlt_adds_the_students(tmp_path)
     o, c = unit("teacher_student", RLT="1")
     assert c == ["evaluate.py"] and "teacher_student: finished" in o
     assert unit("teacher_student", RLT="1")[1] == [] and wall.exists()
+    # RLT's unit (004 §A.1): the warm-up is the teacher's accepted samples of 2,000 other training problems,
+    # rewritten as teacher examples; the reward's student is teacher_student unless RLT_STUDENT says sft
+    o, c = unit("rlt", RLT="1")
+    assert c == ["evaluate.py", "sft.py", "rlt.py"]
+    export, warmup, teacher = calls.read_text().splitlines()
+    assert "--split train --num_problems 2000 --skip_problems 2000" in export and f"--model {out}/teacher " in export
+    warm = f"{out}/teacher/warmup.jsonl"
+    assert f"--export {warm}" in export and f"--data rlt:{warm}" in warmup and f"--init {out}/sft " in warmup
+    assert f"--init {out}/rlt_sft --student {out}/teacher_student " in teacher
+    for d in ("rlt", "rlt_sft"):
+        (out / d / "wall_seconds").unlink()
+    o, c = unit("rlt", RLT="1", RLT_STUDENT="sft")  # the warm-up's data is kept; the stages run again
+    assert c == ["sft.py", "rlt.py"] and f"--student {out}/sft " in calls.read_text().splitlines()[1]
 
 
 FAKE = r"""
