@@ -12,8 +12,9 @@
 #   SERIAL=1 ./run_cpu.sh               one stage at a time, with every core
 #   CORES=4 ./run_cpu.sh                the cores to use (default: torch's count of physical cores, or OMP_NUM_THREADS)
 #   RLT=1 ./run_cpu.sh                  also paper 004's comparison: RLT's teacher and its student against two
-#                                       students (the teacher's accepted samples, the solver's traces); ~+20 min here
-#   RLT_CONTROL=1 ./run_cpu.sh          RLT=1 and RLT's control: a student of the untrained teacher (+2.5 min here)
+#                                       students (the teacher's accepted samples, the solver's traces); ~+17 min here
+#   RLT_CONTROL=1 ./run_cpu.sh          RLT=1 and RLT's control: a student of the untrained teacher (+26 min in all
+#                                       on 2 cores with AVX512-BF16, 9 of them the control's)
 #   RLT_STUDENT=sft RLT=1 ./run_cpu.sh  RLT's reward scored by the SFT model, not teacher_student (chosen on val)
 #   ANTICOLLAPSE=1 ./run_cpu.sh         also paper 000's anti-collapse study (two more OPD stages, ~+10 min)
 #   Each adds to a finished run: its stages run, the finished ones are skipped
