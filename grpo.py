@@ -31,13 +31,14 @@ from functools import partial
 
 import torch
 
-from common import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
-                    seed_everything)
-from data import load_tasks, make_curriculum
-from logprobs import autocast, micro_batches, token_stats
-from loop import (Run, eval_metrics, frozen_copy, load_policy, loss_rows, mix_reference,
-                  prepare_run, rollout_metrics, step_seed)
-from sampler import make_sampler, probe, rollouts, score_rollouts
+from common import (autocast, make_sampler, micro_batches, mix_reference, probe, rollouts,
+                    score_rollouts, token_stats)
+from evaluate import eval_metrics
+from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
+                            parse_args, seed_everything)
+from plumbing.harness import (Run, frozen_copy, load_policy, prepare_run, rollout_metrics,
+                              step_seed, warmup_lr)
+from plumbing.tasks import load_tasks, make_curriculum
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Args(RLArgs):
                               "min(π_old/π_sampler, C), for a bf16 engine (TRL: 3, verl: 2; 0: "
                               "off)")
 
-    # the reward and the curriculum (data.py), as in rloo.py
+    # the reward and the curriculum (plumbing/tasks.py), as in rloo.py
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
                                 "near misses (001)")
     wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
@@ -193,6 +194,14 @@ def row_temperatures(batch, G, T, T_easy_hard):
     return per_prompt, torch.tensor(per_prompt).repeat_interleave(G)
 
 
+def loss_rows(samples, mask_truncated):
+    """Which rollouts the loss keeps (B*G,) and their response tokens: all, or with 002 §3's
+    --mask_truncated only those that ended (EOS) within the budget."""
+    keep = torch.tensor(samples.finished, dtype=torch.float32) if mask_truncated else \
+        torch.ones(len(samples.completion_ids))
+    return keep, sum(len(c) for c, k in zip(samples.completion_ids, keep.tolist()) if k)
+
+
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward, args.curriculum)
@@ -221,55 +230,60 @@ def main(argv=None):
                                  run.extra.get("curriculum"))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
+        warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----
         batch = run.next_tasks(tasks, B, curriculum.pool())
         T, T_rows = row_temperatures(batch, G, args.temperature, T_easy_hard)
-        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, T,
-                      args.max_response_len, step_seed(args.seed, step), args.bottom_p,
-                      args.bottom_p_freq)
+        samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, T,
+                           args.max_response_len, step_seed(args.seed, step), args.bottom_p,
+                           args.bottom_p_freq)
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward,
+        scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
                                         args.no_answer_reward)                 # (B*G,), (B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
-        keep, n_tok = loss_rows(ro, args.mask_truncated)  # (B*G,), response tokens in the loss
+        keep, n_tok = loss_rows(samples, args.mask_truncated)  # (B*G,), response tokens in the loss
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----
         agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=n_tok,
                       max_len=args.max_response_len)  # (b, T-1), (b, T-1) -> share of L
         stats, ref_logps, old_logps = run.stats(B * G, n_tok), {}, {}
         for it in range(args.num_iterations):
-            mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-            for i, (rows, ids, attn, mask, sampler_logp) in enumerate(mbs):
+            for i, (rows, ids, attn, mask, sampler_logp) in enumerate(micro_batches(
+                    samples, args.micro_batch, tok.pad_token_id, device)):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
                     T_mb = T_rows[rows] if T_easy_hard else T_rows  # the rollouts' temperatures
-                    st = token_stats(model, ids, attn, mask, T_mb, entropy="logged")
+                    out = token_stats(model, ids, attn, mask, T_mb, entropy="logged")
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
                             ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb)["logp"]
                 # π_old: this forward on the first pass, before any update (departure 1)
-                old_logp = old_logps.setdefault(i, st["logp"].detach())
+                old_logp = old_logps.setdefault(i, out["logp"].detach())
                 tis = tis_weight(old_logp, sampler_logp, args.tis_cap)  # 1 unless --tis_cap
-                per_token, parts = grpo_loss(st["logp"], old_logp, ref_logps.get(i),
-                                             adv[rows].to(device), args.beta, args.epsilon,
-                                             args.epsilon_high, args.kl_ratio, tis)
-                if it == 0:  # on diagnose steps: each term's own pull
-                    stats.term_grads({k: agg(v, m) for k, v in parts["terms"].items()}, 1)
+                per_token, info = grpo_loss(out["logp"], old_logp, ref_logps.get(i),
+                                            adv[rows].to(device), args.beta, args.epsilon,
+                                            args.epsilon_high, args.kl_ratio, tis)
+                if it == 0:  # --term_grads on diagnose steps: an extra backward per term
+                    stats.term_grads({k: agg(v, m) for k, v in info["terms"].items()}, 1)
                 loss = agg(per_token, m)
                 loss.backward()
                 stats.add("loss", loss.item())
-                for k, v in (("entropy", st["entropy"]), ("kl", parts["kl"]),
-                             ("ratio", parts["ratio"]), ("clip_frac", parts["clipped"]),
+                for k, v in (("entropy", out["entropy"]), ("kl", info["kl"]),
+                             ("ratio", info["ratio"]), ("clip_frac", info["clipped"]),
                              ("tis_weight", tis)):
                     stats.token_mean(k, v, m)
-                stats.max("ratio_max", parts["ratio"] * m)
+                stats.max("ratio_max", info["ratio"] * m)
                 if it == 0:
-                    stats.sampler_gap(st["logp"], sampler_logp, m)
-            run.optimizer_step(step, stats.sums["loss"])
+                    stats.sampler_gap(out["logp"], sampler_logp, m)
+            # ---- the update: clip, the non-finite stop, step (num_iterations of them) ----
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004, if asked
         # ---- log, evaluate, checkpoint ----
         metrics = {**stats.metrics(args.num_iterations),
-                   **rollout_metrics(ro, scores, reward, adv, batch),
+                   **rollout_metrics(samples, scores, reward, adv, batch),
                    **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
         run.end_step(step, metrics, curriculum=curriculum.state())
     run.close()

@@ -22,11 +22,11 @@ from functools import partial
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from common import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
-from data import load_records, load_tasks, make_prompt, solver_pairs
-from logprobs import autocast, token_stats, tokenize_pairs
-from loop import Run, StepStats, eval_metrics, frozen_copy, load_policy, prepare_run
-from sampler import make_sampler, score_rollouts
+from common import autocast, make_sampler, score_rollouts, token_stats, tokenize_pairs
+from evaluate import eval_metrics
+from plumbing.flags import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
+from plumbing.harness import Run, StepStats, frozen_copy, load_policy, prepare_run
+from plumbing.tasks import load_records, load_tasks, make_prompt, solver_pairs
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Args(TrainArgs):
     temperature: float = arg(1.0, "onpolicy: sampling temperature for the pairs")
     max_new_tokens: int = arg(1024, "onpolicy: generation budget for the pairs")
     backend: str = arg("hf", "sampler of the pairs and evaluations: hf (plain PyTorch, CPU ok) | "
-                             "vllm (sampler.py)")
+                             "vllm (common.py)")
     heldout: float = arg(0.1, "share of prompts whose pairs are held out for eval/pref_acc")
 
 
@@ -109,12 +109,13 @@ def build_pairs(pairs, data, num_prompts, template, sampler, group_size, tempera
         return out, f"{len(out)} solver pairs from {len(tasks)} prompts"
     # the init's samples: a right one and a wrong one of the same prompt
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
-    ro = sampler.generate(prompts, group_size, temperature, 1.0, 0, max_new_tokens, seed)
+    samples = sampler.generate(prompts, group_size, temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()
-    scores, dense = score_rollouts(ro, tasks, "dense")  # (N*G,) 1 / 0.1 / 0, (N, G) 001's credit
+    # (N*G,) 1 / 0.1 / 0, (N, G) 001's credit
+    scores, dense = score_rollouts(samples, tasks, "dense")
     scores, out = scores.view(-1, group_size), []
     for i, p in enumerate(prompts):
-        texts = ro.texts[i * group_size:(i + 1) * group_size]
+        texts = samples.texts[i * group_size:(i + 1) * group_size]
         good = [x for x, s in zip(texts, scores[i]) if s == 1]
         near = rejected == "near_miss"  # right numbers, wrong value (credit above a wrong answer's)
         bad = [x for x, s, d in zip(texts, scores[i], dense[i]) if (d > s if near else s < 1)]
@@ -203,8 +204,13 @@ def main(argv=None):
             ((loss + args.rpo_alpha * nll).sum() / batch).backward()
             for k, v in {**pair_report(loss, h, w, l, rw, rl), "rpo_nll": nll}.items():
                 stats.add(k, v.detach().sum().item())
-        # ---- optimizer step, then log, evaluate, checkpoint ----
-        run.optimizer_step(step, stats.sums["loss"])
+        # ---- the update: clip, the non-finite stop, step, the schedule ----
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
+            opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        # ---- log, evaluate, checkpoint ----
         run.end_step(step, {f"train/{k}": v / batch for k, v in stats.sums.items()})
     run.close()
     return model, ref

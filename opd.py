@@ -33,13 +33,14 @@ from functools import partial
 
 import torch
 
-from common import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
-                    seed_everything)
-from data import load_tasks
-from logprobs import autocast, micro_batches, token_stats
-from loop import (Run, behavior_logp, eval_metrics, load_frozen, load_policy, prepare_run,
-                  rollout_metrics, step_seed)
-from sampler import make_sampler, rollouts, score_rollouts
+from common import (autocast, behavior_logp, make_sampler, micro_batches, rollouts, score_rollouts,
+                    token_stats)
+from evaluate import eval_metrics
+from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
+                            parse_args, seed_everything)
+from plumbing.harness import (Run, load_frozen, load_policy, prepare_run, rollout_metrics,
+                              step_seed, warmup_lr)
+from plumbing.tasks import load_tasks
 
 
 @dataclass
@@ -139,42 +140,49 @@ def main(argv=None):
     run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
+        warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
         batch = run.next_tasks(tasks, B)
-        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
-                      args.temperature, args.max_response_len, step_seed(args.seed, step))
+        samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
+                           args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward,
+        scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
                                         args.no_answer_reward)                 # (B*G,), (B, G)
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
-        stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
-        mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-        for rows, ids, attn, mask, sampler_logp in mbs:
+        stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
+        for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
+                                                                 tok.pad_token_id, device):
             # logp, entropy at the rollout T, the KL at kd_temperature
             with autocast(device, model, teacher):
-                st = token_stats(model, ids, attn, mask, temperature=args.temperature, entropy=True,
-                                 teacher=teacher, kd_temperature=args.kd_temperature,
-                                 kd_reverse=args.kd_loss == "reverse")
+                out = token_stats(model, ids, attn, mask, temperature=args.temperature,
+                                  entropy=True, teacher=teacher, kd_temperature=args.kd_temperature,
+                                  kd_reverse=args.kd_loss == "reverse")
             m = mask[:, 1:].float()                                                    # (b, T-1)
-            old_logp = behavior_logp(args.mu, st["logp"], sampler_logp)  # μ: --mu
-            loss, parts = opd_loss(st["logp"], old_logp, st["kl"], st["entropy"], m,
-                                   adv[rows].to(device), args.kl_coef, args.rl_coef,
-                                   args.entropy_coef, args.is_clip, args.pg_norm)
-            stats.term_grads(parts["terms"], B * G)  # on diagnose steps: each term's own pull
+            old_logp = behavior_logp(args.mu, out["logp"], sampler_logp)  # μ: --mu
+            loss, info = opd_loss(out["logp"], old_logp, out["kl"], out["entropy"], m,
+                                  adv[rows].to(device), args.kl_coef, args.rl_coef,
+                                  args.entropy_coef, args.is_clip, args.pg_norm)
+            # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
+            stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # mean over rollouts
             loss.backward()
             stats.add("loss", loss.item())
             for k in ("pg", "is_weight", "is_weight_raw"):
-                stats.row_mean(k, parts[k])
-            stats.token_mean("kl", st["kl"], m)
-            stats.token_mean("entropy", st["entropy"], m)
-            stats.max("is_weight_raw_max", parts["is_weight_raw"])
-            stats.sampler_gap(st["logp"], sampler_logp, m)
-        # ---- optimizer step, then log, evaluate, checkpoint ----
-        run.optimizer_step(step, stats.sums["loss"])
-        run.end_step(step, {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv, batch)})
+                stats.row_mean(k, info[k])
+            stats.token_mean("kl", out["kl"], m)
+            stats.token_mean("entropy", out["entropy"], m)
+            stats.max("is_weight_raw_max", info["is_weight_raw"])
+            stats.sampler_gap(out["logp"], sampler_logp, m)
+        # ---- the update: clip, the non-finite stop, step ----
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        # ---- log, evaluate, checkpoint ----
+        run.end_step(step, {**stats.metrics(),
+                            **rollout_metrics(samples, scores, reward, adv, batch)})
     run.close()
     return model
 

@@ -27,12 +27,12 @@ from functools import partial
 
 import torch
 
-from common import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
-from data import load_tasks, make_curriculum
-from logprobs import autocast, micro_batches, token_stats
-from loop import (Run, behavior_logp, eval_metrics, load_policy, prepare_run, rollout_metrics,
-                  step_seed)
-from sampler import make_sampler, probe, rollouts, score_rollouts
+from common import (autocast, behavior_logp, make_sampler, micro_batches, probe, rollouts,
+                    score_rollouts, token_stats)
+from evaluate import eval_metrics
+from plumbing.flags import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
+from plumbing.harness import Run, load_policy, prepare_run, rollout_metrics, step_seed, warmup_lr
+from plumbing.tasks import load_tasks, make_curriculum
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Args(RLArgs):
                                       "1: Eq. 3)")
     mu: str = arg("sampler", "μ of w and the KL: sampler (its log-probs, Eq. 3) | trainer (this "
                              "forward's, detached: w = 1, a bf16 engine's rounding left out)")
-    # the reward and the curriculum (data.py), as in grpo.py
+    # the reward and the curriculum (plumbing/tasks.py), as in grpo.py
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
                                 "near misses (001)")
     wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "
@@ -157,39 +157,45 @@ def main(argv=None):
                                  run.extra.get("curriculum"))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
+        warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
         batch = run.next_tasks(tasks, B, curriculum.pool())
-        ro = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
-                      args.temperature, args.max_response_len, step_seed(args.seed, step))
+        samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
+                           args.temperature, args.max_response_len, step_seed(args.seed, step))
         run.sampled()
         # ---- score and advantage ----
-        scores, reward = score_rollouts(ro, batch, args.reward, args.wrong_reward,
+        scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
                                         args.no_answer_reward)                 # (B*G,), (B, G)
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
-        stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
-        mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-        for rows, ids, attn, mask, sampler_logp in mbs:
+        stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
+        for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
+                                                                 tok.pad_token_id, device):
             with autocast(device, model):
-                st = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
+                out = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
             m = mask[:, 1:].float()                                                    # (b, T-1)
-            old_logp = behavior_logp(args.mu, st["logp"], sampler_logp)  # μ: --mu
-            loss, parts = rloo_loss(st["logp"], old_logp, st["entropy"], m, adv[rows].to(device),
-                                    args.entropy_coef, args.kl_coef, args.is_clip, args.kl_ratio,
-                                    args.pg_norm)
-            stats.term_grads(parts["terms"], B * G)  # on diagnose steps: each term's own pull
+            old_logp = behavior_logp(args.mu, out["logp"], sampler_logp)  # μ: --mu
+            loss, info = rloo_loss(out["logp"], old_logp, out["entropy"], m, adv[rows].to(device),
+                                   args.entropy_coef, args.kl_coef, args.is_clip, args.kl_ratio,
+                                   args.pg_norm)
+            # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
+            stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # −(1/G) Σ_i, mean over prompts
             loss.backward()
             stats.add("loss", loss.item())
-            stats.row_mean("is_weight", parts["is_weight"])  # clipped, and as 000 watches it
-            stats.row_mean("is_weight_raw", parts["is_weight_raw"])
-            stats.token_mean("entropy", st["entropy"], m)
-            stats.token_mean("kl", parts["kl"], m)
-            stats.max("is_weight_raw_max", parts["is_weight_raw"])
-            stats.sampler_gap(st["logp"], sampler_logp, m)
-        # ---- optimizer step, then log, evaluate, checkpoint ----
-        run.optimizer_step(step, stats.sums["loss"])
-        metrics = {**stats.metrics(), **rollout_metrics(ro, scores, reward, adv, batch),
+            stats.row_mean("is_weight", info["is_weight"])  # clipped, and as 000 watches it
+            stats.row_mean("is_weight_raw", info["is_weight_raw"])
+            stats.token_mean("entropy", out["entropy"], m)
+            stats.token_mean("kl", info["kl"], m)
+            stats.max("is_weight_raw_max", info["is_weight_raw"])
+            stats.sampler_gap(out["logp"], sampler_logp, m)
+        # ---- the update: clip, the non-finite stop, step ----
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        # ---- log, evaluate, checkpoint ----
+        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch),
                    **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
         run.end_step(step, metrics, curriculum=curriculum.state())
     run.close()

@@ -27,7 +27,7 @@ B x G explanations at the start (--no-balance: the flags). Departures:
      the baseline's own data, as 004's (sft.py --data rlt:FILE: the verified teacher's accepted
      samples); the student is the baseline's (teacher_student, as 004 scores with its baseline's),
      16 prompts x 8; solutions from the restricted solver, whose steps the traces can write
-     (rlt_data.solved); the export's budget twice the training one (004 Table 4).
+     (plumbing/explanations.py: solved); the export's budget twice the training one (004 Table 4).
 
 Real (1×H100):
   python rlt.py --init out/sft --student out/sft --backend vllm --export out/rlt/traces.jsonl
@@ -38,13 +38,14 @@ from functools import partial
 
 import torch
 
-from common import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
-                    seed_everything)
-from logprobs import autocast, micro_batches, token_stats
-from loop import Run, frozen_copy, load_frozen, load_policy, mix_reference, prepare_run, step_seed
-from rlt_data import (balanced, export_traces, measure_balance, next_solved, rlt_tasks, solved,
-                      student_prompt, student_row, teacher_prompt)
-from sampler import make_sampler
+from common import autocast, make_sampler, micro_batches, mix_reference, token_stats
+from plumbing.explanations import (balanced, export_traces, measure_balance, next_solved,
+                                   rlt_tasks, solved)
+from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
+                            parse_args, seed_everything)
+from plumbing.harness import (Run, frozen_copy, load_frozen, load_policy, prepare_run, step_seed,
+                              warmup_lr)
+from plumbing.tasks import student_prompt, student_row, teacher_prompt
 
 
 @dataclass
@@ -217,31 +218,31 @@ def explain(sampler, model, tok, tasks, sols, n, template, max_prompt_len, tempe
                              f"--max_prompt_len {max_prompt_len}")
     sampler.wake()
     sampler.sync(model)
-    ro = sampler.generate(prompts, n, temperature, 1.0, 0, max_new_tokens, seed)
+    samples = sampler.generate(prompts, n, temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()
-    expl, penalized = zip(*map(explanation_of, ro.texts))
-    return ro, list(expl), list(penalized)
+    expl, penalized = zip(*map(explanation_of, samples.texts))
+    return samples, list(expl), list(penalized)
 
 
 def held_out(explain_fn, score_fn, tasks, sols, n):
     """eval/ metrics: the RLT reward of n fresh explanations per held-out problem (004 §4.5's
     analysis)."""
-    ro, expl, pen = explain_fn(tasks, sols, n)
+    samples, expl, pen = explain_fn(tasks, sols, n)
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
     r, r_ss, r_kl = score_fn(rep(tasks), rep(sols), expl, pen)
     return {"eval/reward": r.mean(), "eval/r_ss": r_ss.mean(), "eval/r_kl": r_kl.mean(),
             "eval/penalized": sum(pen) / len(pen)}
 
 
-def rlt_metrics(ro, reward, r_ss, r_kl, penalized, expl_tokens):
+def rlt_metrics(samples, reward, r_ss, r_kl, penalized, expl_tokens):
     """train/ metrics of an RLT batch. reward (B, G); r_ss, r_kl, penalized (B*G,); expl_tokens: the
     explanations' tokens in all (the rest of each completion is what follows </think>)."""
-    n = len(ro.completion_ids)
+    n = len(samples.completion_ids)
     return {"train/reward": reward.mean(), "train/r_ss": r_ss.mean(), "train/r_kl": r_kl.mean(),
             "train/penalized": sum(penalized) / n, "train/reward_std": reward.std(1).mean(),
             "train/expl_len": expl_tokens / n,
-            "train/resp_len": sum(map(len, ro.completion_ids)) / n,
-            "train/cut": 1 - sum(ro.finished) / n}  # stopped by the budget, not EOS
+            "train/resp_len": sum(map(len, samples.completion_ids)) / n,
+            "train/cut": 1 - sum(samples.finished) / n}  # stopped by the budget, not EOS
 
 
 def main(argv=None):
@@ -277,40 +278,47 @@ def main(argv=None):
               **args.run_options(output_dir))
     B, G = args.batch_size, args.group_size
     for step in run.steps():
+        warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
         batch_tasks, sols = zip(*next_solved(run, tasks, B))
-        ro, expl, pen = explain_fn(batch_tasks, sols, G, seed=step_seed(args.seed, step))
+        samples, expl, pen = explain_fn(batch_tasks, sols, G, seed=step_seed(args.seed, step))
         run.sampled()
         # ---- score (the frozen student's view) and advantage ----
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731  per prompt -> per row
         reward, r_ss, r_kl = score_fn(rep(batch_tasks), rep(sols), expl, pen)          # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
-        stats = run.stats(B * G, sum(map(len, ro.completion_ids)))
-        mbs = micro_batches(ro, args.micro_batch, tok.pad_token_id, device)
-        for rows, ids, attn, mask, sampler_logp in mbs:
+        stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
+        for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
+                                                                 tok.pad_token_id, device):
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
-                st = token_stats(model, ids, attn, mask, args.temperature, entropy="logged")  # at T
+                # at the rollouts' T
+                out = token_stats(model, ids, attn, mask, args.temperature, entropy="logged")
                 with torch.no_grad():
                     ref_logp = None if ref is None else \
                         token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
-            old_logp = st["logp"].detach()  # π_old: the trainer's forward (grpo.py, departure 1)
-            loss, parts = rlt_loss(st["logp"], old_logp, ref_logp, m, adv[rows].to(device),
-                                   args.beta, args.epsilon, args.kl_ratio)
-            stats.term_grads(parts["terms"], B * G)  # on diagnose steps: each term's own pull
+            old_logp = out["logp"].detach()  # π_old: the trainer's forward (grpo.py, departure 1)
+            loss, info = rlt_loss(out["logp"], old_logp, ref_logp, m, adv[rows].to(device),
+                                  args.beta, args.epsilon, args.kl_ratio)
+            # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
+            stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # 1/G Σ_i, mean over prompts
             loss.backward()
             stats.add("loss", loss.item())
-            stats.token_mean("entropy", st["entropy"], m)
-            stats.token_mean("kl", parts["kl"], m)
-            stats.sampler_gap(st["logp"], sampler_logp, m)
-        # ---- optimizer step, reference sync, then log, evaluate, checkpoint ----
-        run.optimizer_step(step, stats.sums["loss"])
+            stats.token_mean("entropy", out["entropy"], m)
+            stats.token_mean("kl", info["kl"], m)
+            stats.sampler_gap(out["logp"], sampler_logp, m)
+        # ---- the update: clip, the non-finite stop, step; then the reference's sync ----
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004: slowly moving
         expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
-        run.end_step(step, {**stats.metrics(), **rlt_metrics(ro, reward.view(B, G), r_ss, r_kl, pen,
-                                                             expl_tokens)})
+        # ---- log, evaluate, checkpoint ----
+        run.end_step(step, {**stats.metrics(), **rlt_metrics(samples, reward.view(B, G), r_ss, r_kl,
+                                                             pen, expl_tokens)})
     run.close()
     if args.export:
         ex = solved(tasks, args.export_problems)

@@ -7,7 +7,7 @@
 #       copying the shipped one (pretrained/tiny-base, this script's own base stage: stage 0 below);
 #       --rebuild-teacher likewise OPD's teacher (pretrained/tiny-teacher, stage 1's teacher command);
 #       --plan prints the order the stages would run in on this machine, and runs nothing
-#   Stages that do not need each other run side by side (pipeline.py), as many as the machine has cores, sharing
+#   Stages that do not need each other run side by side (plumbing/pipeline.py), as many as the machine has cores, sharing
 #   them; each stage's output goes to OUT_DIR/logs/NAME.log and a status line comes every 30 s (STATUS_EVERY).
 #   SERIAL=1 ./run_cpu.sh               one stage at a time, with every core
 #   CORES=4 ./run_cpu.sh                the cores to use (default: torch's count of physical cores, or OMP_NUM_THREADS)
@@ -32,7 +32,7 @@ REBUILD_TEACHER=${REBUILD_TEACHER:-}
 SERIAL=${SERIAL:-}
 ANTICOLLAPSE=${ANTICOLLAPSE:-}
 PLAN=""
-UNIT=""  # --unit NAME: run one unit of stages (how pipeline.py starts each)
+UNIT=""  # --unit NAME: run one unit of stages (how plumbing/pipeline.py starts each)
 FLAGS=()
 while [[ ${1:-} == --* ]]; do
   case $1 in --force) FORCE=1;; --rebuild-base) REBUILD_BASE=1;; --rebuild-teacher) REBUILD_TEACHER=1;;
@@ -51,7 +51,7 @@ if [[ -z $UNIT ]]; then
   python -c "import torch, transformers" 2>/dev/null || {
     echo "error: $PY cannot import torch and transformers: install first (README, Quickstart: ./install.sh)" >&2
     exit 2; }
-  # Every thread pool a command may start, sized to the machine's cores (pipeline.py gives each stage side by side
+  # Every thread pool a command may start, sized to the machine's cores (plumbing/pipeline.py gives each stage side by side
   # its share): torch counts physical cores (macOS too) and keeps a user's OMP_NUM_THREADS
   CORES=${CORES:-${OMP_NUM_THREADS:-$(python -c "import torch; print(torch.get_num_threads())")}}
   export OMP_NUM_THREADS=$CORES MKL_NUM_THREADS=$CORES OPENBLAS_NUM_THREADS=$CORES VECLIB_MAXIMUM_THREADS=$CORES \
@@ -131,7 +131,7 @@ base() {
 
 # 1. SFT from the base (000 §3.2 Eq. 1) on an *unverified* source, the analog of the real SFT set: LLM-written
 #    traces (Cognitive Behaviors' cog_behav_all_strategies) of which only ~37 % are correct. The solver writes each
-#    trace in one of two search strategies (traces.py), so that RL has a behaviour to select: 70% random tries until
+#    trace in one of two search strategies (plumbing/traces.py), so that RL has a behaviour to select: 70% random tries until
 #    one reaches the target (a mean of one dead end; each try writes the target beside its value before the
 #    verdict; half the dead ends near misses, without which "found" means "close"), 30% working backward from the
 #    target, one subgoal a line (docs/studies/strategies.md). Then 63% of them get one mistake an LLM makes (sft.py
@@ -247,7 +247,7 @@ opd_anticollapse() { stage opd_anticollapse python opd.py --init "$OUT/opd" "${O
   --kd_temperature 1.3 --max_steps 50 --output_dir "$OUT/opd_anticollapse"; }
 opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --max_steps 50 --output_dir "$OUT/opd_longer"; }
 
-# ---- The run. Each unit is a stage or stages in order, after the units it needs (NAME:NEEDS); pipeline.py starts
+# ---- The run. Each unit is a stage or stages in order, after the units it needs (NAME:NEEDS); plumbing/pipeline.py starts
 #      a unit when what it needs has finished, the longest chain first, up to one unit a core, and gives each
 #      running unit its share of the cores (a unit that ends hands its share on). It runs each as
 #      `run_cpu.sh --unit NAME`, which lands here
@@ -261,11 +261,11 @@ if [[ -n $ANTICOLLAPSE ]]; then UNITS+=(opd_anticollapse:opd opd_longer:opd); fi
 export PYTHON=$PY CORES
 ARGS=(--out "$OUT" --cores "$CORES" --status_every "${STATUS_EVERY:-30}")
 if [[ -n $SERIAL ]]; then ARGS+=(--serial); fi
-if [[ -n $PLAN ]]; then python pipeline.py "${ARGS[@]}" --plan "${UNITS[@]}"; exit; fi
+if [[ -n $PLAN ]]; then python -m plumbing.pipeline "${ARGS[@]}" --plan "${UNITS[@]}"; exit; fi
 base
 echo "== $CORES cores: stages side by side, each with its share; status every ${STATUS_EVERY:-30} s, logs in $OUT/logs"
-python pipeline.py "${ARGS[@]}" --command "bash ./run_cpu.sh ${FLAGS[*]:-} --unit {} $(printf %q "$OUT")" "${UNITS[@]}"
+python -m plumbing.pipeline "${ARGS[@]}" --command "bash ./run_cpu.sh ${FLAGS[*]:-} --unit {} $(printf %q "$OUT")" "${UNITS[@]}"
 
 # 4. Paper 000's Tables 1 and 2 for every stage, results.json and the plots
-echo "+ python report.py --run $OUT"
-python report.py --run "$OUT"
+echo "+ python evaluate.py --run $OUT"
+python evaluate.py --run "$OUT"

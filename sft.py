@@ -24,11 +24,12 @@ import torch
 from transformers import (get_cosine_schedule_with_warmup,
                           get_cosine_with_min_lr_schedule_with_warmup)
 
-from common import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
-from data import LLM_MISTAKES, common_queries, load_tasks, only_problems, parse_mixes, sft_data
-from logprobs import autocast, spans, token_stats, tokenize_pairs
-from loop import Run, StepStats, eval_metrics, load_policy, prepare_run
-from rlt_data import teacher_sft_data
+from common import autocast, spans, token_stats, tokenize_pairs
+from evaluate import eval_metrics
+from plumbing.flags import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
+from plumbing.harness import Run, StepStats, load_policy, prepare_run
+from plumbing.tasks import (LLM_MISTAKES, common_queries, load_tasks, only_problems, parse_mixes,
+                            sft_data, teacher_sft_data)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Args(TrainArgs):
                     "SFT data: hub/JSONL with query+completion, gen[:...] traces, arith[:...] "
                     "plain arithmetic over those problems' numbers (the base stage), or "
                     "rlt:SPEC|FILE.jsonl RLT's teacher format warm-up (004 §A.1) on solver traces "
-                    "or on a file's samples (rlt_data.teacher_sft_data)")
+                    "or on a file's samples (plumbing/tasks.py: teacher_sft_data)")
     output_dir: str = arg("out/sft", "where the checkpoint, args.json and metrics.jsonl go")
     seed: int = arg(0, "seed for init, shuffling and sampling")
     template: str = arg("base", "prompt template for generated data and eval: base | compact")
@@ -180,18 +181,24 @@ def main(argv=None):
         idx, new_epoch = run.next_indices(range(len(prompts)), args.batch_size)
         if new_epoch:
             responses = write_responses(run.rng)
-        mbs = list(batches([prompts[i] for i in idx], [responses[i] for i in idx]))
+        micro = list(batches([prompts[i] for i in idx], [responses[i] for i in idx]))
         # ---- forward / backward per micro-batch; Eq. 1's token mean over the whole step ----
-        stats = StepStats(args.batch_size, sum(int(mask[:, 1:].sum()) for _, _, mask in mbs))
-        for ids, attn, mask in mbs:
+        stats = StepStats(args.batch_size, sum(int(mask[:, 1:].sum()) for _, _, mask in micro))
+        for ids, attn, mask in micro:
             with autocast(device, model):
-                st = token_stats(model, ids, attn, mask)
-            nll = sft_loss(st["logp"], mask[:, 1:])
+                out = token_stats(model, ids, attn, mask)
+            nll = sft_loss(out["logp"], mask[:, 1:])
             (nll / stats.n_tokens).backward()
             stats.add("nll", nll.item())
-            stats.add("correct", st["correct"].sum().item())
-        # ---- optimizer step, then log, evaluate, checkpoint ----
-        run.optimizer_step(step, stats.sums["nll"] / stats.n_tokens)
+            stats.add("correct", out["correct"].sum().item())
+        # ---- the update: clip, the non-finite stop, step, the schedule ----
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        loss = stats.sums["nll"] / stats.n_tokens  # Eq. 1, the step's token mean
+        if run.finite(step, loss, grad_norm):  # else stop (or --skip_nonfinite)
+            opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        # ---- log, evaluate, checkpoint ----
         run.end_step(step, {"train/loss": stats.sums["nll"] / stats.n_tokens,
                             "train/token_acc": stats.sums["correct"] / stats.n_tokens,
                             "time/tokens_per_s": stats.n_tokens / (time.time() - run.t0)},

@@ -1,5 +1,5 @@
 """The Countdown task, standard library only: answer extraction, exact scoring (paper 000 §3.1;
-dense: paper 001), solver and generator (the solver-written traces live in traces.py).
+dense: paper 001), solver and generator (the solver-written traces live in plumbing/traces.py).
 Nothing here calls eval: one regex tokenizes, an explicit-stack shunting-yard parses (so 2,000
 nested parentheses cannot hit Python's recursion limit) and fractions.Fraction computes exactly."""
 import functools

@@ -1,5 +1,5 @@
-"""The HF sampler's decode loops side by side: sampler.py's plain loop over transformers' cache and
-fast_decode.py's twin, tokens/s of one generate call each, alternating A/B/A/B so that background
+"""The HF sampler's decode loops side by side: common.py's plain loop over transformers' cache and
+plumbing/fast_decode.py's twin, tokens/s of one generate call each, alternating A/B/A/B so that background
 load hits both alike; the tokens must be the same. (docs/studies/reader_path.md)
 
     python benchmarks/decode_speed.py [--init out/cpu/sft] [--decodes plain,dynamic] [--rounds 2]
@@ -11,9 +11,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import load_tasks, make_prompt  # noqa: E402
-from models import load_model  # noqa: E402
-from sampler import HFSampler  # noqa: E402
+from plumbing.tasks import load_tasks, make_prompt  # noqa: E402
+from plumbing.models import load_model  # noqa: E402
+from common import HFSampler  # noqa: E402
 
 SHAPES = {"rl": dict(split="train", problems=64, n=8, temperature=0.7, top_p=1.0, top_k=0),
           "eval": dict(split="test", problems=200, n=16, temperature=0.6, top_p=0.95, top_k=20)}

@@ -53,7 +53,7 @@ if __name__ == "__main__":
         rc = run(setup, commands, ROOT, log, env)
         wall = time.time() - t0
         print(f"== {number}. {title}: rc {rc}, {int(wall) // 60} min {int(wall) % 60:02d} s ({log})")
-        # the lines that answer it: report.py --compare's tables, evaluate.py's summary line
+        # the lines that answer it: evaluate.py --compare's tables, evaluate.py's summary line
         for line in open(log).read().splitlines():
             if line.startswith(("run (steps", "out/", "pass@")) or "false" in line:
                 print("   ", line)

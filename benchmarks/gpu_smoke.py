@@ -96,8 +96,8 @@ def write_data(work, tok, n_tasks, n_sft, response_tokens):
     base template's prompt of a task; completion: solver traces joined until longer than the
     response budget, so every SFT row is cut at it, as the longest real rows are) and pairs.jsonl
     (IPO: that prompt, its completion chosen, the next row's rejected: both cut at the budget)."""
-    import traces
-    from data import load_tasks, make_prompt
+    from plumbing import traces
+    from plumbing.tasks import load_tasks, make_prompt
     tasks = load_tasks("gen:nums=3-4,test=1,val=1", "train", max(n_tasks, n_sft))
     rng = random.Random(0)
     with open(os.path.join(work, "tasks.jsonl"), "w") as f:
@@ -116,7 +116,7 @@ def write_data(work, tok, n_tasks, n_sft, response_tokens):
     return max(len(tok(make_prompt(t["nums"], t["target"], "base"))["input_ids"]) for t in tasks)
 
 
-# ---- per-phase peak memory: marks at the boundaries loop.Run already has ------------------------
+# ---- per-phase peak memory: marks at the boundaries harness.Run already has ------------------------
 class Phases:
     """Peak allocated/reserved CUDA memory between marks, by phase name (the max over steps), and
     the wall time of each evaluation. Run.sampled() ends `sample`, Run.end_step()'s start ends
@@ -151,11 +151,11 @@ class Phases:
 
     @contextlib.contextmanager
     def watching(self):
-        """loop.Run's boundaries marked for the duration; checkpoints and resumable states not
+        """harness.Run's boundaries marked for the duration; checkpoints and resumable states not
         written (a stage's output dir gets args.json and metrics.jsonl only)."""
-        import loop
-        saved = {k: getattr(loop, k) for k in ("save_checkpoint", "save_state")}
-        run_cls = loop.Run
+        from plumbing import harness
+        saved = {k: getattr(harness, k) for k in ("save_checkpoint", "save_state")}
+        run_cls = harness.Run
         methods = {k: getattr(run_cls, k) for k in ("__init__", "sampled", "end_step")}
         phases = self
 
@@ -180,14 +180,14 @@ class Phases:
             methods["end_step"](run, *a, **kw)
             phases.mark("log")
         try:
-            loop.save_checkpoint = loop.save_state = lambda *a, **kw: None
+            harness.save_checkpoint = harness.save_state = lambda *a, **kw: None
             run_cls.__init__, run_cls.sampled, run_cls.end_step = init, sampled, end_step
             yield self
         finally:
             for k, v in methods.items():
                 setattr(run_cls, k, v)
             for k, v in saved.items():
-                setattr(loop, k, v)
+                setattr(harness, k, v)
 
 
 # ---- one stage -----------------------------------------------------------------------------------
@@ -214,12 +214,12 @@ def with_flags(command, **flags):
 def run_stage(words, phases, teacher=None):
     """main(argv) of the command's script in this process, opd.py handed `teacher` for its
     load_frozen; the wall time and its output dir's metrics rows."""
-    import loop
+    from plumbing import harness
     script = words[1][:-3]
     module = __import__(script)
-    load_frozen, t0 = loop.load_frozen, time.time()
+    load_frozen, t0 = harness.load_frozen, time.time()
     if teacher is not None:  # under whichever name opd.py calls it
-        module.load_frozen = loop.load_frozen = lambda *a, **kw: teacher  # noqa: E731
+        module.load_frozen = harness.load_frozen = lambda *a, **kw: teacher  # noqa: E731
     try:
         with phases.watching():
             if script == "evaluate":  # its main() reads sys.argv; time its sampling alone
@@ -234,7 +234,7 @@ def run_stage(words, phases, teacher=None):
                 module.main(words[2:])
     finally:
         if teacher is not None:
-            module.load_frozen = loop.load_frozen = load_frozen
+            module.load_frozen = harness.load_frozen = load_frozen
     wall = time.time() - t0
     if "--output_dir" not in words:  # evaluate.py
         return wall, []
@@ -303,10 +303,10 @@ def stage_flags(name, command, work, common, tiny, eval_new, n_pairs):
 
 
 def build_teacher(tok, teacher_dir, device, big, tiny):
-    """OPD's teacher, random, in models.frozen_dtype (bf16 on a GPU) as loop.load_frozen would
+    """OPD's teacher, random, in models.frozen_dtype (bf16 on a GPU) as harness.load_frozen would
     hold it, built here and handed to opd.py in its place (a 7B's 15 GB never go through the
     disk); its config.json alone is written, for memory.py. (teacher, note)"""
-    from models import frozen_dtype
+    from plumbing.models import frozen_dtype
     shape = "7b" if big else "0.5b"
     cfg = qwen_config(os.path.join(HERE, f"qwen2.5-{shape}.json"), tok,
                       **(TINY_TEACHER if tiny else {}))
@@ -344,10 +344,10 @@ GROUP = 8  # rollouts a prompt in the sampler stage: 128 rows are 16 prompts, as
 
 def sampler_timed(model, tok, prompts, decode, new, seed=0):
     """One HFSampler(decode=...).generate of `prompts` x GROUP rows, `new` tokens each: its Rollouts
-    and times, cut by synchronized marks on fast_decode.py's helpers: the prefill, _graphed's
+    and times, cut by synchronized marks on plumbing/fast_decode.py's helpers: the prefill, _graphed's
     warm-up step and capture, the loop from the prefill's end to _trim."""
-    import fast_decode as F
-    import sampler as S
+    from plumbing import fast_decode as F
+    import common as S
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     marks = {"capture_s": 0.0, "captures": 0, "prefill_s": 0.0, "loop_s": 0.0, "batches": 0}
@@ -410,7 +410,7 @@ def launches_per_step(model, tok, prompts, decode, short=3, long=7):
     """Per decode step, from torch.profiler over generate calls of `short` and `long` new tokens
     (their difference: prefill and capture cancel out): kernel launch calls, CUDA graph launches,
     kernels the GPU ran, and aten ops (the CPU's; on a GPU a graph replay runs none)."""
-    import sampler as S
+    import common as S
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     counts = []
@@ -452,9 +452,9 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
     first row count each loop's sampler gap (mean |sampler - trainer| log-prob, 8 rows), and last
     its launches per decode step. A line per run (sampler/run) and check (sampler/check) as each
     ends; none starts after `budget_s`. Returns the stage's summary."""
-    import sampler as S
-    from logprobs import autocast, logprob_gap
-    from data import make_prompt
+    import common as S
+    from common import autocast, logprob_gap
+    from plumbing.tasks import make_prompt
     with open(tasks_path) as f:
         tasks = [json.loads(x) for x in f]
     prompts = [make_prompt(t["nums"], t["target"], "base") for t in tasks]
@@ -615,8 +615,8 @@ def main(argv=None):
     # ---- setup: tokenizer, the random 0.5B-shaped policy, the data ----
     import transformers
 
-    from checkpoints import save_checkpoint
-    from models import build_tiny_tokenizer
+    from plumbing.checkpoints import save_checkpoint
+    from plumbing.models import build_tiny_tokenizer
     tok = build_tiny_tokenizer()
     L, eval_new = (16, 8) if args.tiny else (1024, 1024)  # new tokens: the walkthrough's 1,024
     policy_dir, teacher_dir = os.path.join(work, "policy"), os.path.join(work, "teacher")

@@ -47,13 +47,13 @@ PEAK_FLOPS = 989e12  # H100 SXM dense bf16
 MFU = 0.4  # share of PEAK_FLOPS a training forward and backward reach (assumed; gpu_smoke measures)
 VLLM_STARTUP_S = 60  # engine start, weight load and CUDA-graph capture, once per script (assumed)
 VLLM_ASLEEP = 2 * GB  # what a sleeping engine keeps (CUDA graphs, its pools): assumed
-CHUNK_LOGITS = 2**26  # logprobs.token_stats' default chunk: positions x vocabulary
+CHUNK_LOGITS = 2**26  # common.token_stats' default chunk: positions x vocabulary
 CHUNK_BYTES = 24  # per logit of the chunk being differentiated: bf16 logits 2, their fp32 copy,
 #                   log_softmax, exp, exp·log (entropy) 4 each, and their gradients after recompute;
 #                   plus the head's bf16 cast (2VH) in full fine-tuning
 TEACHER_CHUNK_BYTES = 16  # per logit of the teacher's chunk: its fp32 log_softmax, exp, difference
 SAMPLER_LOGIT_BYTES = 14  # per row and vocabulary entry while decoding: bf16 logits, then fp32
-#                           filtered, softmax and cumsum alive together (sampler._pick)
+#                           filtered, softmax and cumsum alive together (common._pick)
 PAIR_YIELD = 0.6  # IPO: share of prompts whose 8 samples hold a right and a wrong one (assumed)
 SFT_ROWS = 1_000  # a hub dataset's rows are unknown here: its time is quoted per 1,000 rows
 
@@ -87,7 +87,7 @@ CONFIGS = {"Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b.json", "Qwen/Qwen2.5-7B": "qwen2.5
            "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b.json", "out/teacher": "qwen2.5-7b.json"}
 # rows of a file this estimate cannot read: RLT's export (its --export_problems, 1 a problem)
 KNOWN_ROWS = {"out/rlt/traces.jsonl": 2_000}
-# loss terms each script back-propagates alone on its diagnose steps (loop.StepStats.term_grads)
+# loss terms each script back-propagates alone on its diagnose steps (harness.StepStats.term_grads)
 DIAGNOSE_TERMS = {"rloo.py": 3, "grpo.py": 2, "opd.py": 3, "rlt.py": 2}
 
 
@@ -211,9 +211,9 @@ def prefill(s, prompts, P):
 def hf_sampling(s, rows, prompts, P, new_tokens, finishing=True, card=CARD):
     """The HF sampler on a GPU (bf16): KV cache of the rows it decodes together (its own rule,
     HFSampler.rows_per_batch) at P + new_tokens positions, and when rows finish the copy that drops
-    them (up to 0.75 of it, sampler._KVCache.keep); the decode's logits; the prefill of its share of
+    them (up to 0.75 of it, common._KVCache.keep); the decode's logits; the prefill of its share of
     the prompts."""
-    from sampler import HFSampler
+    from common import HFSampler
     cfg = SimpleNamespace(num_hidden_layers=s.L, num_key_value_heads=s.kv_heads,
                           head_dim=s.head_dim, hidden_size=s.H, num_attention_heads=s.heads)
     hf = SimpleNamespace(kv_budget=card / 4, batch_size=rows, model=SimpleNamespace(config=cfg))
@@ -234,7 +234,7 @@ def bf16_copies(s, lora_rank=0):
 
 def vllm_awake(card):
     """An awake engine: its share of the card (VLLMSampler's default gpu_memory_utilization)."""
-    from sampler import VLLMSampler
+    from common import VLLMSampler
     f = inspect.signature(VLLMSampler.__init__).parameters["gpu_memory_utilization"].default
     return {f"vLLM engine, awake ({f:.0%} of the card)": f * card}
 
@@ -250,7 +250,7 @@ def parse_command(command):
     script = words[0]
     try:
         module = importlib.import_module(os.path.basename(script)[:-3])
-        from common import parse_args
+        from plumbing.flags import parse_args
         Args = module.Args
     except (ImportError, AttributeError):
         raise EstimateError(f"{script}: not one of this repo's scripts") from None
@@ -299,7 +299,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
         raise EstimateError(f"{script}: no estimate for it (training scripts and evaluate.py)")
     import torch
 
-    from models import frozen_dtype
+    from plumbing.models import frozen_dtype
     pol = model_shape(a.init)
     fb = torch.finfo(frozen_dtype("cuda")).bits // 8  # bytes a frozen model's parameter takes
     P, notes = prompt_tokens, []
@@ -407,7 +407,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
 
 
 def n_evals(steps, every, at_start=True):
-    """Evaluations of a run (loop.Run): at step 0 (`at_start`), every `every` steps, at the end."""
+    """Evaluations of a run (harness.Run): at step 0 (`at_start`), every `every` steps, at the end."""
     return int(at_start) + (steps // every + (steps % every != 0) if every else 1)
 
 

@@ -16,7 +16,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from traces import _STEP, _solutions, _steps_text, random_path  # noqa: E402  _STEP: a step as written
+from plumbing.traces import _STEP, _solutions, _steps_text, random_path  # noqa: E402  _STEP: a step as written
 
 TRY = re.compile(r"(.*) Target (\d+), (?:found|back)\.")
 

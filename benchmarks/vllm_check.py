@@ -13,10 +13,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data as D  # noqa: E402
-import logprobs as LP  # noqa: E402
-import models as M  # noqa: E402
-import sampler as S  # noqa: E402
+from plumbing import tasks as D  # noqa: E402
+import common as LP  # noqa: E402
+from plumbing import models as M  # noqa: E402
+import common as S  # noqa: E402
 from verifier import score  # noqa: E402
 
 

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-import models as M
-from checkpoints import save_checkpoint
+from plumbing import models as M
+from plumbing.checkpoints import save_checkpoint
 
 # scripts run as subprocesses from here
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,15 +8,15 @@ import pytest
 import torch
 from conftest import ROOT
 
-import common as C
-import data as D
-import logprobs as LP
-import loop as L
-import models as M
-import sampler as S
-import traces as TR
+from plumbing import flags as C
+from plumbing import tasks as D
+import common as LP
+from plumbing import harness as L
+from plumbing import models as M
+import common as S
+from plumbing import traces as TR
 import verifier as V
-from checkpoints import save_checkpoint
+from plumbing.checkpoints import save_checkpoint
 
 
 def qwen_like(vocab, seed=0, hidden=32):
@@ -324,7 +324,7 @@ def test_parse_args_dashes_underscores_and_bools():
 
 
 def test_logger_writes_jsonl(tmp_path):
-    log = C.Logger(str(tmp_path), total_steps=2, config=dataclasses.asdict(_Args()))
+    log = L.Logger(str(tmp_path), total_steps=2, config=dataclasses.asdict(_Args()))
     log.log(1, {"train/loss": 0.5, "train/reward": torch.tensor(0.25)})
     log.close()
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
@@ -358,7 +358,7 @@ def test_gradient_checkpointing_keeps_less_for_backward_with_the_same_gradients(
     """--gradient_checkpointing acts: load_policy leaves the model in train mode, where transformers
     checkpoints its layers (from_pretrained's eval mode silently turned the flag off). Measured by
     what autograd keeps for backward; the loss and every gradient stay the same."""
-    from loop import load_policy
+    from plumbing.harness import load_policy
     out = {}
     for flag in (False, True):
         model, tok, _ = load_policy(tiny_ckpt, flag)
@@ -379,7 +379,7 @@ def test_compile_runs_the_training_forward_compiled_with_the_same_loss_and_gradi
     """--compile: token_stats' decoder forward goes through torch.compile, one graph for two
     lengths (dynamic shapes), with the eager loss and gradients (fp32, 1e-5); the sampler, which
     runs the layers one by one, draws the same tokens. A 1-layer model keeps the compile short.
-    It compiles on either CPU kind (loop.compile_pays says where it pays: tests/test_pipeline.py)."""
+    It compiles on either CPU kind (harness.compile_pays says where it pays: tests/test_pipeline.py)."""
     from torch._dynamo.utils import counters
     monkeypatch.setattr(L, "compile_pays", lambda device: True)
     torch._dynamo.reset()

@@ -8,15 +8,15 @@ import sys
 import pytest
 import torch
 
-import data as C
+from plumbing import tasks as C
 import grpo
-import models as M
+from plumbing import models as M
 import rloo
-import sampler as S
-from common import CountdownError
+import common as S
+from plumbing.flags import CountdownError
 from conftest import GEN, ROOT, gap_bound
-from logprobs import pack, token_stats
-from loop import Run
+from common import pack, token_stats
+from plumbing.harness import Run
 
 FAST = ["--data", GEN, "--eval_data", GEN, "--batch_size", "2", "--group_size", "2", "--micro_batch", "2",
         "--max_steps", "2", "--max_response_len", "8", "--eval_problems", "2", "--eval_samples", "2",

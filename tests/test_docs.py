@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import report
+from plumbing import report
 from benchmarks.exercises import exercises, run
 from conftest import ROOT
 
@@ -27,7 +27,7 @@ def section(text, title):
 def test_readme_table_1_is_docs_results_json_to_the_digit():
     table = README.split(report.TABLE_START + "\n", 1)[1].split("\n" + report.TABLE_END, 1)[0]
     assert table == report.readme_table(RESULTS), \
-        "README's Table 1 is not docs/results.json's: python report.py --run out/cpu --publish"
+        "README's Table 1 is not docs/results.json's: python evaluate.py --run out/cpu --publish"
 
 
 def result_numbers(results):
@@ -110,8 +110,7 @@ case $script in
   rloo.py|grpo.py|opd.py) extra=(--max_steps 2 --eval_every 2 --save_every 1 --batch_size 2
                  --group_size 3 --micro_batch 4 --max_response_len 12 --eval_problems 2
                  --eval_samples 2 --eval_max_new_tokens 8);;
-  evaluate.py) extra=(--num_problems 2 --num_samples 16 --max_new_tokens 8);;
-  report.py) extra=(--steps 1-100000);;
+  evaluate.py) extra=(--num_problems 2 --num_samples 16 --max_new_tokens 8 --steps 1-100000);;
   *) exec "$PY" "$script" "$@";;
 esac
 exec "$PY" "$ROOT/$script" "$@" "${extra[@]}"
@@ -145,7 +144,7 @@ def test_each_readme_exercise_runs_as_printed_for_2_steps(number, title, command
     rc = run(SETUP, commands, out_cpu, log, env)
     text = log.read_text()
     assert rc == 0, f"exercise {number} ({title}) failed:\n{text[-3000:]}"
-    assert "run (steps" in text, f"exercise {number} prints no report.py --compare table"
+    assert "run (steps" in text, f"exercise {number} prints no evaluate.py --compare table"
     rows = [line for line in text.splitlines() if line.startswith("out/ex/")]
     assert rows, f"exercise {number} compares none of its own runs"
     assert not [r for r in rows if re.search(r"\s-(\s|$)", r)], \

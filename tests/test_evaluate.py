@@ -86,7 +86,7 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     s = json.load(open(out / "summary.json"))
     assert set(s) == {"num_problems", "num_samples", "pass_at_k", "by_size", "format_rate", "best_of_n", "pass_at_1_stderr",
                       "arithmetic", "verification", "strategies", "mistakes"}
-    assert set(s["mistakes"]) == {"slip", "reuse", "giveup", "malformed"}  # each kind's share (traces.py)
+    assert set(s["mistakes"]) == {"slip", "reuse", "giveup", "malformed"}  # each kind's share (plumbing/traces.py)
     assert list(s["verification"]["budgets"]) == ["1", "2", "4"]
     assert s["num_problems"] == 6 and s["num_samples"] == 4 and set(s["pass_at_k"]) == {"1", "2", "4"}
     assert set(s["by_size"]) <= {"3", "4"} and set(s["best_of_n"]) == {"accuracy", "avg_samples"}
@@ -101,14 +101,14 @@ def test_cli_writes_contract_files_recomputes_and_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.load(open(out / "summary.json"))["pass_at_k"]["4"] >= 1 / 6
     png = tmp_path / "curves.png"
-    r = subprocess.run([sys.executable, "report.py", "--plot", f"{out},{out}", "--out", str(png)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "evaluate.py", "--plot", f"{out},{out}", "--out", str(png)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
-    """report.py --run: results.json holds every stage's summary plus wall seconds, the tables
+    """evaluate.py --run: results.json holds every stage's summary plus wall seconds, the tables
     list the stages in the pipeline's order (others after), and both PNGs are drawn from the RL
     stages' metrics."""
     def summary(p1):
@@ -129,7 +129,7 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
         (tmp_path / name).mkdir(exist_ok=True)
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{k: s / 10 for k in keys}}) + "\n"
                                                                for s in range(3)))
-    r = subprocess.run([sys.executable, "report.py", "--run", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "evaluate.py", "--run", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     res = json.load(open(tmp_path / "results.json"))
     assert list(res) == ["sft", "rloo", "rlt_student", "zzz_extra"]
@@ -142,10 +142,11 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     assert "slip  reuse  giveu  malfo" in table1 and "0.250  0.500  0.000  0.250  0.125" in table1
     for png in ("pass_at_k.png", "rl_curves.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    r = subprocess.run([sys.executable, "report.py", "--run", str(tmp_path / "nothing")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "evaluate.py", "--run", str(tmp_path / "nothing")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode != 0 and "run ./run_cpu.sh" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "report.py"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "evaluate.py", "--run", str(tmp_path), "--compare", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "give one of --run" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -208,7 +209,7 @@ def test_live_selector_stops_at_the_first_verified_sample():
 def test_cli_test_time_runs_the_live_selector(tmp_path, tiny_ckpt):
     """Also --skip_problems: the problems after the first 3 of the split (RLT's warm-up samples other
     problems than its exports)."""
-    import data as D
+    from plumbing import tasks as D
     out, data = tmp_path / "e", "gen:nums=3,range=1-9,test=20,val=8"
     cmd = [sys.executable, "evaluate.py", "--model", tiny_ckpt, "--data", data, "--skip_problems", "3",
            "--num_problems", "4", "--num_samples", "2", "--max_new_tokens", "8", "--template", "compact",
@@ -223,7 +224,7 @@ def test_cli_test_time_runs_the_live_selector(tmp_path, tiny_ckpt):
 
 
 def test_moving_mean_by_hand():
-    import report
+    from plumbing import report
     assert report.moving_mean([1, 3, 5, 7], 2) == [1, 2, 4, 6]
     assert report.moving_mean([0, 0, 9], 5) == [0, 0, 3]  # fewer than w at the start
 
@@ -232,7 +233,7 @@ def test_export_keeps_each_problems_first_accepted_sample_as_sft_rows(tmp_path):
     """evaluate.py --export (rejection sampling, paper 004's baseline): per problem the first sample
     the verifier accepts, in the prompt the template builds; a problem with none is left out; sft.py
     trains on the file as it is."""
-    import data as D
+    from plumbing import tasks as D
     from verifier import score
     records = [{"nums": [3, 5, 7], "target": 56, "completions": ["<answer>3 + 5</answer>", "<answer>(3 + 5) * 7</answer>",
                                                                 "<answer>7 * (5 + 3)</answer>"]},

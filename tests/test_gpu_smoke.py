@@ -80,7 +80,7 @@ def test_sampler_stage_compares_tokens_and_logprobs(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
     from gpu_smoke import compare
 
-    from sampler import Rollouts
+    from common import Rollouts
     a = Rollouts([[1]], [[5, 6, 7], [8, 9]], [[-1.0, -2.0, -3.0], [-0.5, -0.25]], ["", ""],
                  [False, False])
     assert compare(a, a) == {"tokens_identical": True, "rows_differing": 0,

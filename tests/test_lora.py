@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import GEN, ROOT
 
-import checkpoints
-import loop
-import models as M
-from logprobs import token_stats, tokenize_pairs
-import logprobs as LP
+from plumbing import checkpoints
+from plumbing import harness
+from plumbing import models as M
+from common import token_stats, tokenize_pairs
+import common as LP
 
 
 def logp_of(model, tok):
@@ -23,7 +23,7 @@ def logp_of(model, tok):
 
 def test_lora_trains_only_adapters_and_saves_merged(tmp_path, tiny_ckpt):
     base, tok = M.load_model(tiny_ckpt)
-    model, _, _ = loop.load_policy(tiny_ckpt, False, lora_rank=4)
+    model, _, _ = harness.load_policy(tiny_ckpt, False, lora_rank=4)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -65,7 +65,7 @@ def test_unknown_lora_target_is_one_line(tmp_path, tiny_ckpt):
 
 
 def trained_lora(tiny_ckpt, seed=0):
-    model, tok, _ = loop.load_policy(tiny_ckpt, False, lora_rank=4)
+    model, tok, _ = harness.load_policy(tiny_ckpt, False, lora_rank=4)
     torch.manual_seed(seed)
     for n, p in model.named_parameters():  # a trained adapter: B != 0
         if "lora_B" in n:
@@ -107,9 +107,9 @@ def test_on_a_gpu_the_lora_base_is_bf16_and_the_adapters_fp32(tiny_ckpt, monkeyp
     """A frozen 7B base in fp32 is 30 GB: on a GPU load_policy holds it in bf16 (models.frozen_dtype),
     while the adapters, the only weights the optimizer steps, stay fp32. Forced here on CPU, under
     the bf16 autocast a GPU trainer always runs."""
-    monkeypatch.setattr(loop, "frozen_dtype", lambda device: torch.bfloat16)
+    monkeypatch.setattr(harness, "frozen_dtype", lambda device: torch.bfloat16)
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
-    model, tok, device = loop.load_policy(tiny_ckpt, False, lora_rank=4)
+    model, tok, device = harness.load_policy(tiny_ckpt, False, lora_rank=4)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
@@ -118,5 +118,5 @@ def test_on_a_gpu_the_lora_base_is_bf16_and_the_adapters_fp32(tiny_ckpt, monkeyp
         (-token_stats(model, ids, attn, mask)["logp"].sum()).backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and g.dtype == torch.float32 for g in grads)
-    unloaded, _, _ = loop.load_policy(tiny_ckpt, False)  # full fine-tuning: fp32 master weights
+    unloaded, _, _ = harness.load_policy(tiny_ckpt, False)  # full fine-tuning: fp32 master weights
     assert {p.dtype for p in unloaded.parameters()} == {torch.float32}

@@ -11,23 +11,23 @@ import torch
 from conftest import GEN, ROOT
 from test_graded import check_opd_loss, check_reward_parts, check_rlt_reward
 
-import common as C
-import data as D
-import logprobs as LP
-import models as M
+from plumbing import flags as C
+from plumbing import tasks as D
+import common as LP
+from plumbing import models as M
 import opd
 import rlt
-import sampler as S
-import rlt_data as RD
+import common as S
+from plumbing import explanations as RD
 import sft
-import traces as TR
-from checkpoints import save_checkpoint
+from plumbing import traces as TR
+from plumbing.checkpoints import save_checkpoint
 from verifier import extract_answer, score
 
 # rlt.score_explanations, and the reward 004 §A.1 makes of its parts
 SCORE = dict(template="compact", micro_batch=2, temperature=1.0, kl_estimator="exact")
 RWD = dict(alpha=0.01, lam=3.0, penalty=-1.0)
-ROW = functools.partial(RD.student_row, template="compact")  # an export's row
+ROW = functools.partial(D.student_row, template="compact")  # an export's row
 
 
 def scorer(teacher, student, tok, **kw):
@@ -127,7 +127,7 @@ def test_rlt_reward_by_hand():
 def test_balance_weights_make_the_four_terms_equal_in_magnitude():
     """004 §A.1: λ and α such that each term has about the same expected magnitude over the
     initial completions. Parts (N, 4): avg log p, min log p, avg KL_t, max KL_t."""
-    from rlt_data import balance_weights
+    from plumbing.explanations import balance_weights
     parts = torch.tensor([[-2.0, -8.0, 0.05, 0.5], [-4.0, -12.0, 0.15, 1.5]])  # |means| 3, 10, 0.1, 1
     alpha, lam = balance_weights(parts)
     assert alpha == pytest.approx((3 / 10 * 0.1 / 1) ** 0.5)  # one α for the ratios 3 / 10 and 0.1 / 1
@@ -162,7 +162,7 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(kl_estimator, T,
     r, r_ss, r_kl = score_fn(tasks, sols, expl, pen)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for i in (0, 1, 2):
-        ps, pt = enc(RD.student_prompt(tasks[i], "compact")), enc(RD.teacher_prompt(tasks[i], sols[i], "compact"))
+        ps, pt = enc(D.student_prompt(tasks[i], "compact")), enc(D.teacher_prompt(tasks[i], sols[i], "compact"))
         e, tail, s = enc(expl[i]), enc("</think>\n<answer>"), enc(sols[i] + "</answer>")
         with torch.no_grad():
             ls = (student(input_ids=torch.tensor([ps + e + tail + s])).logits[0] / T).log_softmax(-1)
@@ -187,13 +187,13 @@ def test_score_explanations_matches_per_row_naive_and_penalizes(kl_estimator, T,
 
 def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
     task, sol = {"nums": [3, 4, 5], "target": 35}, "(3 + 4) * 5"
-    tp = RD.teacher_prompt(task, sol, "compact")
+    tp = D.teacher_prompt(task, sol, "compact")
     assert tp.endswith(f"<answer>{sol}</answer>\n<think>") and "[3, 4, 5]" in tp and "35" in tp
     teacher_out = " 3 + 4 = 7, left 5 7. 5 * 7 = 35. Found 35.\n</think>\n<answer>(3 + 4) * 5</answer>"
-    completion = RD.student_completion(rlt.explanation_of(teacher_out)[0], sol)
+    completion = D.student_completion(rlt.explanation_of(teacher_out)[0], sol)
     assert completion == teacher_out and score(completion, task["nums"], task["target"]) == 1.0
     path = tmp_path / "traces.jsonl"
-    path.write_text(json.dumps({"query": RD.student_prompt(task, "compact"), "completion": completion}) + "\n")
+    path.write_text(json.dumps({"query": D.student_prompt(task, "compact"), "completion": completion}) + "\n")
     prompts, responses = D.sft_data(str(path), "train", None, "compact", 0)
     assert prompts == [D.make_prompt([3, 4, 5], 35, "compact")] and responses(None) == [completion]
 
@@ -201,13 +201,13 @@ def test_formats_round_trip_through_export_into_sft_loader(tmp_path):
 def test_rlt_sft_data_is_the_teacher_format_explaining_its_own_solution():
     """004 §A.1: the teacher's SFT before RL sees the solution and learns to write the trace that
     reaches it, up to </think>."""
-    prompts, responses = RD.teacher_sft_data("rlt:" + GEN.removeprefix("gen:"), "train", 6, "compact", dead_ends=1)
+    prompts, responses = D.teacher_sft_data("rlt:" + GEN.removeprefix("gen:"), "train", 6, "compact", dead_ends=1)
     tasks = D.load_tasks(GEN, "train", 6)
     for task, prompt, expl in zip(tasks, prompts, responses(None)):
         sol = prompt.split("<answer>")[-1].split("</answer>")[0]
-        assert prompt == RD.teacher_prompt(task, sol, "compact") and expl.endswith("</think>")
+        assert prompt == D.teacher_prompt(task, sol, "compact") and expl.endswith("</think>")
         assert expl.count("</think>") == 1 and "<answer>" not in expl
-        assert score(RD.student_completion(expl.removesuffix("</think>"), sol), task["nums"], task["target"]) == 1.0
+        assert score(D.student_completion(expl.removesuffix("</think>"), sol), task["nums"], task["target"]) == 1.0
 
 
 def test_rlt_warmup_from_a_file_rewrites_the_teachers_accepted_samples(tmp_path, tiny_ckpt):
@@ -223,15 +223,15 @@ def test_rlt_warmup_from_a_file_rewrites_the_teachers_accepted_samples(tmp_path,
     rows[0]["completion"] = rows[0]["completion"].replace("<answer>", "<answer>1 + ")  # rejected
     path = tmp_path / "accepted.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prompts, responses = RD.teacher_sft_data(f"rlt:{path}", "train", None, "compact", eval_problems=4)
+    prompts, responses = D.teacher_sft_data(f"rlt:{path}", "train", None, "compact", eval_problems=4)
     kept = rows[1:-1]  # the rejected one out, the last (min(4, 12 // 10) = 1) held out
-    assert prompts == [RD.teacher_prompt(r, extract_answer(r["completion"]), "compact") for r in kept]
+    assert prompts == [D.teacher_prompt(r, extract_answer(r["completion"]), "compact") for r in kept]
     assert responses(None) == [r["completion"].split("</think>")[0] + "</think>" for r in kept]
-    assert RD.teacher_sft_data(f"rlt:{path}", "val", None, "compact", eval_problems=4)[0] == [
-        RD.teacher_prompt(rows[-1], extract_answer(rows[-1]["completion"]), "compact")]
+    assert D.teacher_sft_data(f"rlt:{path}", "val", None, "compact", eval_problems=4)[0] == [
+        D.teacher_prompt(rows[-1], extract_answer(rows[-1]["completion"]), "compact")]
     (tmp_path / "none.jsonl").write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(C.CountdownError, match="no sample the verifier accepts"):
-        RD.teacher_sft_data(f"rlt:{tmp_path / 'none.jsonl'}", "train", None, "compact")
+        D.teacher_sft_data(f"rlt:{tmp_path / 'none.jsonl'}", "train", None, "compact")
     sft.main(["--init", tiny_ckpt, "--data", f"rlt:{path}", "--eval_data", GEN, "--template", "compact",
               "--batch_size", "4", "--micro_batch", "4", "--max_steps", "2", "--eval_problems", "4",
               "--eval_samples", "2", "--eval_max_new_tokens", "8", "--output_dir", str(tmp_path / "warm")])
@@ -282,7 +282,7 @@ def test_rlt_two_steps_export_then_sft_on_the_traces(ckpts, tmp_path):
     # (an untrained teacher's lines: test_export_keeps_the_best_explanation checks content)
     assert traces.exists()
     traces.write_text(json.dumps({"query": D.make_prompt([1, 2, 3], 6, "compact"),
-                                  "completion": RD.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
+                                  "completion": D.student_completion(" 1 + 2 = 3.\n", "1 + 2 + 3")}) + "\n")
     r = subprocess.run([sys.executable, "sft.py", "--init", "tiny", "--data", str(traces), "--eval_data", GEN, "--template",
                         "compact", "--eval_problems", "2", "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size",
                         "2", "--micro_batch", "2", "--max_steps", "2", "--output_dir", str(tmp_path / "student")],
@@ -323,7 +323,7 @@ def test_export_keeps_the_best_explanation_and_skips_all_penalized(tmp_path):
     expl = [rlt.explanation_of(t)[0] for t in texts[:2]]
     _, r_ss, _ = score_fn(tasks[:1] * 2, sols[:1] * 2, expl, [False] * 2)
     best = expl[int(r_ss.argmax())]
-    assert lines[0]["completion"] == RD.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
+    assert lines[0]["completion"] == D.student_completion(best, sols[0]) and abs(lines[0]["r_ss"] - r_ss.max()) < 1e-5
     assert lines[0]["query"] == D.make_prompt([3, 4, 5], 35, "compact")
     assert score(lines[0]["completion"], [3, 4, 5], 35) == 1.0
 
@@ -359,7 +359,7 @@ def test_export_draws_again_only_for_problems_with_no_closed_explanation(redraws
     assert [r["nums"] for r in rows] == [[3, 4, 5], [2, 9, 7]][:exported]
     assert len(sampler.prompts) == redraws + 1
     if redraws:  # the second draw: task 2 alone
-        assert sampler.prompts[1] == [RD.teacher_prompt(tasks[1], sols[1], "compact")]
+        assert sampler.prompts[1] == [D.teacher_prompt(tasks[1], sols[1], "compact")]
     stats = json.load(open(path + ".stats.json"))
     assert stats["closed_first_draw"] == 0.5 and stats["explanations"] == 2 + redraws
 
@@ -388,7 +388,7 @@ def test_rlt_explains_solutions_the_traces_format_can_write():
     """The solver's first expression has a negative or fractional step for 7.5 % of the first 2,000
     embedded training problems, which no `a op b = v` line can write: the restricted solver's is
     explained instead, and a problem with no such solution is left out."""
-    from rlt_data import solved
+    from plumbing.explanations import solved
     tasks = [{"nums": [1, 7, 18], "target": 24}, {"nums": [1, 5, 5, 5], "target": 24}, {"nums": [15, 9, 15], "target": 25}]
     assert solved(tasks) == [(tasks[0], "18 + (7 - 1)"), (tasks[2], "(15 * 15) / 9")]
 
@@ -409,7 +409,7 @@ def test_export_budget_is_above_training_and_its_lengths_are_saved(flags, budget
 
 
 def test_balance_is_measured_once_and_kept_by_a_resumed_run(tmp_path):
-    from rlt_data import balanced
+    from plumbing.explanations import balanced
     calls = []
     measure = lambda: calls.append(1) or (0.1, 20.0, {})  # noqa: E731
     run, init = tmp_path / "run", tmp_path / "init"
@@ -444,9 +444,9 @@ def test_no_vocab_wide_graph_outlives_an_update(script, ckpts, tmp_path, monkeyp
     When a step ends, no tensor as wide as the vocabulary may still carry a graph."""
     import gc
 
-    import loop
+    from plumbing import harness
     module = __import__(script)
-    alive, end_step = [], loop.Run.end_step
+    alive, end_step = [], harness.Run.end_step
 
     def spy(run, *a, **kw):
         gc.collect()
@@ -454,7 +454,7 @@ def test_no_vocab_wide_graph_outlives_an_update(script, ckpts, tmp_path, monkeyp
         alive.extend(tuple(t.shape) for t in gc.get_objects()
                      if torch.is_tensor(t) and t.grad_fn is not None and t.shape[-1:] == (V,))
         return end_step(run, *a, **kw)
-    monkeypatch.setattr(loop.Run, "end_step", spy)
+    monkeypatch.setattr(harness.Run, "end_step", spy)
     other = {"opd": ["--teacher", ckpts["teacher"]], "rlt": ["--student", ckpts["teacher"]]}.get(script, [])
     module.main(["--init", ckpts["student"], *other, *FAST[1:], "--max_steps", "1", "--output_dir", str(tmp_path)])
     assert alive == []
@@ -478,4 +478,4 @@ def test_export_verified_keeps_only_explanations_whose_steps_are_right(tmp_path)
         out[verified] = [json.loads(x) for x in open(tmp_path / f"{verified}.jsonl")]
     assert [r["nums"] for r in out[False]] == [[3, 4, 5], [2, 9, 7]]
     assert [r["nums"] for r in out[True]] == [[3, 4, 5]]
-    assert out[True][0]["completion"] == RD.student_completion(rlt.explanation_of(texts[0])[0], sols[0])
+    assert out[True][0]["completion"] == D.student_completion(rlt.explanation_of(texts[0])[0], sols[0])

@@ -1,5 +1,5 @@
 """run_cpu.sh's first run on a student's machine (issue 44): the cores shared among the stages side
-by side (pipeline.py), the console kept moving, a failure reported when it happens, and --compile
+by side (plumbing/pipeline.py), the console kept moving, a failure reported when it happens, and --compile
 skipped with one line where it does not pay or cannot build."""
 import os
 import subprocess
@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-import common
-import loop
-import pipeline
+from plumbing import flags
+from plumbing import harness
+from plumbing import pipeline
 from conftest import GEN, ROOT
 
 UNITS = ["sft", "teacher:sft", "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft"]  # run_cpu.sh's
@@ -143,7 +143,7 @@ def test_the_scheduler_hands_cores_on_reports_a_failure_at_once_and_keeps_the_co
     status lines name each running stage and its step."""
     (tmp_path / "fake.sh").write_text(FAKE)
     t0 = time.time()
-    r = subprocess.run([sys.executable, "pipeline.py", "--out", str(tmp_path), "--cores", "2",
+    r = subprocess.run([sys.executable, "-m", "plumbing.pipeline", "--out", str(tmp_path), "--cores", "2",
                         "--status_every", "0.5", "--command", f"bash {tmp_path}/fake.sh {{}} {tmp_path}",
                         "long", "short", "broken", "after:broken"], cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
@@ -164,10 +164,10 @@ def test_a_training_loop_follows_its_thread_file(tmp_path, monkeypatch):
     path.write_text("1")
     monkeypatch.setenv("COUNTDOWN_THREADS_FILE", str(path))
     try:
-        common.follow_threads()
+        flags.follow_threads()
         assert torch.get_num_threads() == 1
         path.write_text("2")
-        common.follow_threads()
+        flags.follow_threads()
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -203,6 +203,6 @@ def test_sft_compile_is_skipped_where_it_was_measured_slower(tmp_path):
 
 def test_compile_pays_on_avx512_with_a_compiler(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert loop.compile_pays("cpu") and loop.compile_pays("cuda")
+    assert harness.compile_pays("cpu") and harness.compile_pays("cuda")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert not loop.compile_pays("cpu")
+    assert not harness.compile_pays("cpu")

@@ -18,14 +18,14 @@ import pytest
 import torch
 from conftest import GEN, ROOT
 
-import checkpoints
-import common as C
+from plumbing import checkpoints
+from plumbing import flags as C
 import grpo
-import loop as L
-import models as M
+from plumbing import harness as L
+from plumbing import models as M
 import opd
 import rloo
-import sampler as S
+import common as S
 
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "2", "--eval_samples", "2",
         "--eval_max_new_tokens", "4", "--batch_size", "2", "--group_size", "3", "--micro_batch", "6",
@@ -182,7 +182,7 @@ def test_the_checkpoint_is_written_before_the_evaluation_that_may_fail(tmp_path,
     run = L.Run(str(tmp_path), 1, model, tok, opt, evaluate, eval_first=False)
     with pytest.raises(RuntimeError):
         for step in run.steps():
-            run.optimizer_step(step, 0.0)
+            run.finite(step, 0.0, torch.tensor(0.0))
             run.end_step(step, {})
     assert os.path.isfile(tmp_path / "config.json") and os.path.isfile(tmp_path / "model.safetensors")
 
@@ -233,33 +233,43 @@ def test_no_deprecated_checkpointing_names(tiny_ckpt):
 
 
 # ---- the install -----------------------------------------------------------------------------------
-SCRIPTS = ["sft", "ipo", "rloo", "grpo", "opd", "rlt", "evaluate", "report"]
+SCRIPTS = ["sft", "ipo", "rloo", "grpo", "opd", "rlt", "evaluate"]
 
 
 def imported_modules():
-    """Every top-level module of the repo that a script imports, directly or through another."""
-    local = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    """Every module of the repo that a script imports, directly or through another: top-level names
+    ("common") and the package's ("plumbing.traces")."""
+    def path(name):
+        return os.path.join(ROOT, *name.split(".")) + ".py"
     seen, todo = set(), list(SCRIPTS)
     while todo:
-        for node in ast.walk(ast.parse(open(os.path.join(ROOT, todo.pop() + ".py")).read())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            for name in {n.split(".")[0] for n in names} & local - seen:
+        for node in ast.walk(ast.parse(open(path(todo.pop())).read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                names = []
+            for name in {n for n in names if os.path.isfile(path(n))} - seen:
                 seen.add(name)
                 todo.append(name)
     return seen
 
 
 def test_pip_install_carries_every_module_the_scripts_import(tmp_path):
-    """`pip install .` then `import models` from anywhere: pyproject's py-modules name every module a
-    script imports (traces.py was missing), and an install from a copy of the sources, imported from
-    outside it, loads each."""
+    """`pip install .` then `import plumbing.models` from anywhere: pyproject names every top-level
+    module a script imports and the package (plumbing/traces.py was once missing), and an install
+    from a copy of the sources, imported from outside it, loads each."""
     import tomllib
-    listed = set(tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]["py-modules"])
+    tool = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]
+    listed = set(tool["py-modules"]) | {f"plumbing.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "plumbing"))
+                                        if f.endswith(".py") and "plumbing" in tool["packages"]}
     needed = imported_modules()
-    assert {"traces", "models", "fast_decode"} <= needed and needed <= listed, sorted(needed - listed)
+    assert {"plumbing.traces", "plumbing.models", "plumbing.fast_decode", "common"} <= needed, sorted(needed)
+    assert needed <= listed, sorted(needed - listed)
     src, site = tmp_path / "src", tmp_path / "site"
-    src.mkdir()
+    shutil.copytree(os.path.join(ROOT, "plumbing"), src / "plumbing",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     for f in os.listdir(ROOT):
         if f.endswith(".py") or f == "pyproject.toml":
             shutil.copy(os.path.join(ROOT, f), src)
@@ -273,7 +283,7 @@ def test_pip_install_carries_every_module_the_scripts_import(tmp_path):
 
 
 def test_checkpointed_lora_trains_under_cpu_bf16(tmp_path, monkeypatch):
-    """Step 5's flags (LoRA + gradient checkpointing) on a CPU with native bf16: logprobs.autocast
+    """Step 5's flags (LoRA + gradient checkpointing) on a CPU with native bf16: common.autocast
     switches attention to eager for the forward, so the recompute in backward must run eager too
     (it ran SDPA, and torch's checkpoint refused the mismatch: CheckpointError)."""
     import sft

@@ -13,13 +13,13 @@ from conftest import GEN, ROOT, gap_bound
 from test_graded import (check_aggregate, check_grpo_advantages, check_grpo_loss, check_importance_weights,
                          check_rloo_advantages, check_rloo_loss)
 
-import data as D
+from plumbing import tasks as D
 import grpo
-import models as M
+from plumbing import models as M
 import opd
 import rloo
-import sampler as S
-import traces as TR
+import common as S
+from plumbing import traces as TR
 
 FAST = ["--term_grads", "--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8", "--batch_size", "2", "--group_size", "3", "--micro_batch", "4",
@@ -177,7 +177,7 @@ def test_two_steps_in_a_subprocess(script, bf16, tiny_ckpt, tmp_path):
     keys = {"train/loss", "train/reward", "train/accuracy", "train/reward_std", "train/adv_std", "train/zero_adv_groups",
             "train/resp_len", "train/no_answer", "train/cut", "train/entropy", "train/kl", "train/sampler_gap",
             "train/grad_norm", "time/sample", "time/update", "grad/pg", "grad/kl",
-            "train/strategy/random", "train/strategy/backward",  # shares of the rollouts (traces.py)
+            "train/strategy/random", "train/strategy/backward",  # shares of the rollouts (plumbing/traces.py)
             *(f"train/mistake/{k}" for k in TR.MISTAKES)}  # and of each mistake kind
     keys |= {"train/ratio", "train/ratio_max"} if script == "grpo.py" else \
         {"train/is_weight", "train/is_weight_raw", "train/is_weight_raw_max", "grad/entropy"}

@@ -11,13 +11,13 @@ import torch
 from conftest import GEN, gap_bound
 
 import grpo
-import logprobs as LP
-import models as M
+import common as LP
+from plumbing import models as M
 import opd
 import rloo
 import rlt
-import sampler as S
-from loop import StepStats
+import common as S
+from plumbing.harness import StepStats
 
 ONE_STEP = ["--term_grads", "--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "2",
             "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size", "4", "--group_size", "4",

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import GEN, ROOT
 
-import checkpoints
-import common as C
-import models as M
-from checkpoints import latest_state, save_checkpoint
+from plumbing import checkpoints
+from plumbing import flags as C
+from plumbing import models as M
+from plumbing.checkpoints import latest_state, save_checkpoint
 
 EVAL = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
         "--eval_max_new_tokens", "8"]

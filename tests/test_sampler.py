@@ -1,19 +1,19 @@
-"""HFSampler's fast decode loop (fast_decode.py: the model's own modules, a KV cache written in
+"""HFSampler's fast decode loop (plumbing/fast_decode.py: the model's own modules, a KV cache written in
 place): its logits are the model's, its log-probs the trainer's, its draws the plain loop's token
-for token (sampler.py's loop over transformers' cache, decode='plain'), with and without LoRA."""
+for token (common.py's loop over transformers' cache, decode='plain'), with and without LoRA."""
 import warnings
 
 import pytest
 import torch
 
-import data as D
-import fast_decode as F
-import logprobs as LP
-import loop
-import models as M
-import sampler as S
-from common import CountdownError
-from logprobs import token_stats
+from plumbing import tasks as D
+from plumbing import fast_decode as F
+import common as LP
+from plumbing import harness
+from plumbing import models as M
+import common as S
+from plumbing.flags import CountdownError
+from common import token_stats
 
 
 # three prompt lengths: the batch is left-padded
@@ -127,7 +127,7 @@ def test_the_fast_twin_draws_the_plain_loops_tokens(monkeypatch, eos_logit, opti
 def test_lora_model_samples_through_its_adapters(tiny_ckpt):
     """A peft model with trained (nonzero) adapters: its samples carry its own log-probs (not the
     base model's), and the tokens are the plain loop's."""
-    model, _, _ = loop.load_policy(tiny_ckpt, False, lora_rank=4)
+    model, _, _ = harness.load_policy(tiny_ckpt, False, lora_rank=4)
     tok = M.build_tiny_tokenizer()
     torch.manual_seed(0)
     for name, p in model.named_parameters():
@@ -237,7 +237,7 @@ def test_a_kv_cache_budget_bounds_the_rows_decoded_together(monkeypatch):
 
 def test_the_decode_flag_picks_the_loop_and_a_script_logs_the_same_either_way(tiny_ckpt, tmp_path,
                                                                                monkeypatch):
-    """--decode plain runs sampler.py's plain loop in a script (its _batch is called); its rollouts
+    """--decode plain runs common.py's plain loop in a script (its _batch is called); its rollouts
     are the fast twin's, so two RLOO steps log the same metrics, times aside: the same tokens make
     every count equal, and the two loops' log-probs (which the IS weight and the KL read) agree to
     float noise (fp32 training here: a bf16 trainer's rounding would blur that comparison). A loop

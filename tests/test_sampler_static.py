@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_sampler import PROMPTS, assert_logprobs_are_the_trainers, last_logits, tiny
 
-import fast_decode as F
-import loop
-import models as M
-import sampler as S
-from common import CountdownError
+from plumbing import fast_decode as F
+from plumbing import harness
+from plumbing import models as M
+import common as S
+from plumbing.flags import CountdownError
 
 
 def static(model, tok, **kw):
@@ -82,7 +82,7 @@ def test_static_rows_stop_at_their_first_eos(monkeypatch, late_row):
 
 def reference_tokens(model, tok, prompts, n, L, seed, batch_size, options):
     """What the static loop must draw, computed naively: in batches of `batch_size` rows, each
-    step a full forward of every row (finished or not), then sampler._pick over all of the batch's
+    step a full forward of every row (finished or not), then common._pick over all of the batch's
     rows with the one generator seeded by `seed`, until every row of the batch has an EOS."""
     eos, gen = tok.eos_token_id, torch.Generator().manual_seed(seed)
     rows = [p for p in tok(prompts, add_special_tokens=False)["input_ids"] for _ in range(n)]
@@ -171,7 +171,7 @@ def test_static_lora_and_llama_go_through_their_own_modules(tiny_ckpt):
     """A peft model with trained adapters samples with its own log-probs (the adapters change
     them), and Llama (no q/k/v biases) decodes too."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    model, _, _ = loop.load_policy(tiny_ckpt, False, lora_rank=4)
+    model, _, _ = harness.load_policy(tiny_ckpt, False, lora_rank=4)
     tok = M.build_tiny_tokenizer()
     torch.manual_seed(0)
     for name, p in model.named_parameters():

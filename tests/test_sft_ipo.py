@@ -10,14 +10,14 @@ import torch
 from conftest import GEN, ROOT
 from test_graded import check_ipo_loss, check_rpo_nll, check_sequence_logp, check_sft_loss
 
-import common as C
-import data as D
+from plumbing import flags as C
+from plumbing import tasks as D
 import ipo
-import logprobs as LP
-import loop
-import models as M
+import common as LP
+from plumbing import harness as loop
+from plumbing import models as M
 import sft
-import traces as TR
+from plumbing import traces as TR
 import verifier as V
 
 FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "4", "--eval_samples", "2",
@@ -121,7 +121,7 @@ def test_sft_on_a_query_completion_file(tmp_path, capsys):
 def test_sft_compile_flag_compiles_the_forward_and_saves_a_plain_checkpoint(tmp_path, monkeypatch):
     """sft.py --compile (run_cpu.sh's sft and teacher stages) trains through the compiled decoder
     and saves the ordinary checkpoint the next stage loads; the RL scripts refuse the flag. The
-    CPU is taken for one where it pays (loop.compile_pays), so that it compiles on either kind."""
+    CPU is taken for one where it pays (harness.compile_pays), so that it compiles on either kind."""
     from torch._dynamo.utils import counters
     monkeypatch.setattr(loop, "compile_pays", lambda device: True)
     counters.clear()

@@ -1,13 +1,13 @@
-"""The trace strategies (traces.py): every trace verified and its arithmetic exact, the backward
+"""The trace strategies (plumbing/traces.py): every trace verified and its arithmetic exact, the backward
 line written as the docstring says, the mixture's weights honoured, the strategy read back from the
 text, and the bookkeeping the evaluation and the RL logs print."""
 import random
 
 import pytest
 
-import data as D
+from plumbing import tasks as D
 import evaluate as E
-import traces as TR
+from plumbing import traces as TR
 import verifier as V
 
 
@@ -139,7 +139,7 @@ def test_the_default_source_is_as_often_right_as_the_real_set_and_the_gate_keeps
     assert all(V.score(t, x["nums"], x["target"]) == 1.0 for t, x in zip(kept, tasks) if t)
     assert abs(sum(t is not None for t in kept) / len(kept) - 0.4) < 0.05
     # the gate's rejects drop out of the batch, not into it as empty targets
-    import models
+    from plumbing import models
     tok = models.build_tiny_tokenizer()
     mbs = list(sft.micro_batches(tok, prompts[:64], kept[:64], 64, 512, 1024, "cpu"))
     assert len(mbs[0][0]) == sum(t is not None for t in kept[:64])

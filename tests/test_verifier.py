@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-import traces as TR
+from plumbing import traces as TR
 import verifier as V
 
 NUMS, TARGET = [3, 5, 4], 32  # (3 + 5) * 4 = 32

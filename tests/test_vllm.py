@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import ROOT, gap_bound
 
-import common as C
-import data as D
-import models as M
-import sampler as S
-import logprobs as LP
+from plumbing import flags as C
+from plumbing import tasks as D
+from plumbing import models as M
+import common as S
+import common as LP
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed: the lane's venv is in README, Tests")

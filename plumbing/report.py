@@ -1,21 +1,20 @@
 """Tables and plots of evaluations: what evaluate.py prints for one checkpoint, paper 000's Tables
 1-2 and results.json for a whole run_cpu.sh pipeline, and the pass@k and training-curve PNGs.
 
-  python report.py --run out/cpu      # results.json, Tables 1-2, pass_at_k.png and rl_curves.png
-  python report.py --run out/cpu --publish   # and copy them to docs/, README's Table 1 redrawn
-  python report.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png   # pass@k-vs-k curves
-  python report.py --compare out/cpu/rloo,out/ex/dense --keys train/zero_adv_groups --steps 1-10
+  python evaluate.py --run out/cpu      # results.json, Tables 1-2, pass_at_k.png and rl_curves.png
+  python evaluate.py --run out/cpu --publish   # and copy them to docs/, README's Table 1 redrawn
+  python evaluate.py --plot out/eval/sft,out/eval/rloo --out pass_at_k.png   # pass@k-vs-k curves
+  python evaluate.py --compare out/cpu/rloo,out/ex/dense --keys train/zero_adv_groups --steps 1-10
                                       # runs (or evaluations) side by side: what one change did
 """
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from math import nan
 
-from common import CountdownError, arg, cli, parse_args
-from data import read_jsonl
-from traces import MISTAKES, STRATEGIES
+from plumbing.flags import CountdownError
+from plumbing.tasks import read_jsonl
+from plumbing.traces import MISTAKES, STRATEGIES
 
 # the pipeline's stages in run_cpu.sh's order; any other eval dir is listed after them
 STAGES = ["sft", "teacher", "rloo", "opd", "grpo", "ipo", "opd_anticollapse", "opd_longer",
@@ -29,23 +28,7 @@ COMPARISONS = {"preference and RL from SFT": ["sft", "teacher", "ipo", "rloo", "
 RL_STAGES = ["rloo", "grpo", "opd", "opd_anticollapse", "opd_longer"]
 
 
-@dataclass
-class Args:
-    run: str = arg("", "a pipeline dir (run_cpu.sh): gather DIR/eval/*/summary.json into "
-                       "results.json, print paper 000's Tables 1-2, draw pass_at_k.png and "
-                       "rl_curves.png")
-    plot: str = arg("", "comma-separated eval dirs: draw their pass@k-vs-k curves to --out")
-    out: str = arg("pass_at_k.png", "the PNG of --plot")
-    compare: str = arg("", "comma-separated run dirs (their metrics.jsonl) or evaluation dirs (their "
-                           "summary.json): print --keys of each side by side")
-    keys: str = arg("train/reward,eval/pass@1", "--compare's metrics: a train/ or time/ key is "
-                                                "averaged over --steps, an eval/ key is its last value")
-    steps: str = arg("1-100000", "--compare's steps, FIRST-LAST")
-    publish: bool = arg(False, "with --run: copy results.json and the two PNGs to docs/ and redraw "
-                               "README's Table 1 from them, so that every number there is this run's")
-
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo's
 # README's Table 1: what each stage is, then its numbers from results.json (tests/test_docs.py
 # checks that README's table is this function's output for docs/results.json, digit for digit)
 WHAT = {"sft": "SFT from the base, 1,000 steps on the unverified traces",
@@ -54,7 +37,7 @@ WHAT = {"sft": "SFT from the base, 1,000 steps on the unverified traces",
         "opd": "RLOO from `sft` + forward KL to `teacher`", "ipo": "IPO from `sft` on its own samples",
         "teacher_student": "SFT on the teacher's accepted samples",
         "rlt_student": "SFT on RLT's explanations", "solver_student": "SFT on the solver's clean traces"}
-TABLE_START = "<!-- Table 1: written by `python report.py --run out/cpu --publish` -->"
+TABLE_START = "<!-- Table 1: written by `python evaluate.py --run out/cpu --publish` -->"
 TABLE_END = "<!-- end of Table 1 -->"
 
 
@@ -185,7 +168,7 @@ def report(out):
     print(f"Table 1 ({first['num_problems']} held-out problems x {first['num_samples']} samples; "
           "step err: share of wrong `a op b = v` steps, false: of `found` verdicts after a try "
           "whose last value is not the target; slip ... malfo: each mistake kind's share of the "
-          "samples (traces.mistake_of); per strategy (traces.py): its share of the samples "
+          "samples (traces.mistake_of); per strategy (plumbing/traces.py): its share of the samples "
           f"and their pass@1)\n{head}")
     for n, r in results.items():
         # summaries written before the arithmetic block: nan (evaluate.py --recompute adds it)
@@ -291,24 +274,3 @@ def plot_training(out, window=5):
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "rl_curves.png"), dpi=110)
-
-
-def main():
-    args = parse_args(Args)
-    if (bool(args.run) + bool(args.plot) + bool(args.compare)) != 1:
-        raise CountdownError("give one of --run DIR (a pipeline's tables and plots), --plot "
-                             "DIR,DIR,... (pass@k curves) or --compare DIR,DIR,... (metrics)")
-    if args.compare:
-        first, _, last = args.steps.partition("-")
-        if not (first.isdigit() and last.isdigit()):
-            raise CountdownError(f"--steps {args.steps}: give FIRST-LAST, e.g. 1-10")
-        return compare(args.compare.split(","), args.keys.split(","), int(first), int(last))
-    if args.run:
-        report(args.run)
-        return publish(args.run) if args.publish else None
-    plot(args.plot.split(","), args.out)
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    cli(main)

@@ -1,11 +1,14 @@
-"""The run around every training loop, so a script's loop shows only its algorithm. Before it: the
-output dir (prepare_run), the policy to train and the frozen models beside it. In it: `Run` owns the
-data order, the optimizer step with its finite check, the periodic evaluation (eval_metrics),
-checkpoint and resumable state, and the log; `StepStats` adds up a step's metrics over its
-micro-batches; `rollout_metrics` are paper 001's flatline diagnostics of an RL batch. Nothing here
-knows an algorithm."""
+"""The run harness around every training loop, so a script's loop shows only its algorithm and its
+update. Before the loop: the output dir (prepare_run), the policy to train and the frozen models
+beside it. In it: `Run` owns the data order, the non-finite stop (`finite`, called by the script
+between its gradient clip and its optimizer step), the periodic evaluation (the script's own
+function), checkpoints and exact resume, and the log (`Logger`: metrics.jsonl, the console, wandb);
+`StepStats` adds up a step's metrics over its micro-batches; `rollout_metrics` are paper 001's
+flatline diagnostics of an RL batch; `warmup_lr` is the RL scripts' schedule. Nothing here knows an
+algorithm."""
 import contextlib
 import copy
+import json
 import os
 import random
 import shutil
@@ -14,13 +17,11 @@ import warnings
 
 import torch
 
-from checkpoints import latest_state, load_state, save_checkpoint, save_state, step_is_finite
-from common import CountdownError, Logger, follow_threads
-from evaluate import evaluate as run_eval
-from logprobs import autocast, trains_in_bf16
-from models import check_same_tokenizer, frozen_dtype, load_model
-from sampler import HFSampler
-from traces import mistake_shares, strategy_metrics, strategy_stats
+from plumbing.checkpoints import (latest_state, load_state, save_checkpoint, save_state,
+                                  step_is_finite)
+from plumbing.flags import CountdownError, follow_threads
+from plumbing.models import check_same_tokenizer, frozen_dtype, load_model, trains_in_bf16
+from plumbing.traces import mistake_shares, strategy_metrics, strategy_stats
 
 
 def prepare_run(output_dir, resume="", overwrite=False):
@@ -67,7 +68,7 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if device == "cpu" and trains_in_bf16(device):  # logprobs.autocast's eager attention for
+        if device == "cpu" and trains_in_bf16(device):  # common.autocast's eager attention for
             model.set_attn_implementation("eager")  # good: the recompute must run the forward's
     if lora_rank > 0:
         try:
@@ -88,7 +89,7 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
         # and compiles again for another thread count: handed a second thread with 74 steps
         # left, the fp32 sft stage stalled 82 s recompiling, then stepped in 0.53 s, not 0.81:
         # a loss unless ~300 steps are left. It keeps the threads it started with
-        os.environ.pop("COUNTDOWN_THREADS_FILE", None)  # (common.follow_threads)
+        os.environ.pop("COUNTDOWN_THREADS_FILE", None)  # (flags.follow_threads)
     return model, tok, device
 
 
@@ -142,16 +143,6 @@ def warmup_lr(opt, lr, step, warmup_steps):
 def step_seed(seed, step):
     """The sampler's seed for one step: distinct across steps and across runs of nearby --seed."""
     return seed * 100_003 + step  # 100,003 is prime and larger than any run's steps
-
-
-@torch.no_grad()
-def mix_reference(ref, model, mix, step=0, every=1):
-    """π_ref ← mix · π_θ + (1 − mix) · π_ref every `every` steps (paper 004 Table 3: a slowly
-    moving reference); nothing for no reference or every=0 (a frozen one)."""
-    if ref is None or not every or step % every:
-        return
-    for p_ref, p in zip(ref.parameters(), model.parameters()):
-        p_ref.mul_(1 - mix).add_(p, alpha=mix)
 
 
 class StepStats:
@@ -212,58 +203,21 @@ class StepStats:
         return {**out, "train/sampler_gap": self.gap / self.n_tokens}
 
 
-def behavior_logp(mu, logp, sampler_logp):
-    """μ's log-probs of the sampled tokens (b, T-1), for RLOO's and OPD's weight w = π_θ/μ and their
-    KL (000 Eq. 3): `sampler`, the sampler's own (the paper's μ, the policy that sampled; a bf16
-    engine's rounding moves w too), or `trainer`, this forward's, detached (w = 1 before the
-    update: the engine's mismatch left out, as TRL and verl take π_old)."""
-    return logp.detach() if mu == "trainer" else sampler_logp
-
-
-def loss_rows(ro, mask_truncated):
-    """Which rollouts the loss keeps (B*G,) and their response tokens: all, or with 002 §3's
-    --mask_truncated only those that ended (EOS) within the budget."""
-    keep = torch.tensor(ro.finished, dtype=torch.float32) if mask_truncated else \
-        torch.ones(len(ro.completion_ids))
-    return keep, sum(len(c) for c, k in zip(ro.completion_ids, keep.tolist()) if k)
-
-
-def rollout_metrics(ro, scores, reward, adv, tasks):
+def rollout_metrics(samples, scores, reward, adv, tasks):
     """Paper 001's flatline diagnostics of an RL batch, its strategies and its mistakes. scores
     (B*G,): verifier scores 0/0.1/1; reward (B, G): what the advantage saw; adv (B*G,); tasks:
     the B prompts' problems. A group whose rewards are all equal has A = 0."""
-    n, group_std = len(ro.completion_ids), reward.std(1)  # (B,) within-group spread
+    n, group_std = len(samples.completion_ids), reward.std(1)  # (B,) within-group spread
     return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),
             "train/format": (scores > 0).float().mean(), "train/reward_std": group_std.mean(),
             "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
-            "train/resp_len": sum(map(len, ro.completion_ids)) / n,
+            "train/resp_len": sum(map(len, samples.completion_ids)) / n,
             # what the reward sees (no complete answer block) and what the budget did (no EOS)
-            "train/no_answer": (scores == 0).float().mean(), "train/cut": 1 - sum(ro.finished) / n,
-            **strategy_metrics("train", strategy_stats(ro.texts, scores.tolist())),
+            "train/no_answer": (scores == 0).float().mean(),
+            "train/cut": 1 - sum(samples.finished) / n,
+            **strategy_metrics("train", strategy_stats(samples.texts, scores.tolist())),
             **{f"train/mistake/{k}": v for k, v in mistake_shares(
-                ro.texts, [t for t in tasks for _ in range(n // len(tasks))]).items()}}
-
-
-def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler=None,
-                 decode="auto"):
-    """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed
-    sampler. `sampler`: the script's own (a vLLM engine is woken and synced to `model` first);
-    None: HF sampling with `model` and the `decode` loop."""
-    was_training = model.training
-    model.eval()
-    if sampler is None:
-        sampler = HFSampler(model, tokenizer, decode=None if decode == "auto" else decode)
-    sampler.wake()
-    sampler.sync(model)
-    with torch.no_grad(), autocast(model.device.type):
-        summary, _ = run_eval(model, tokenizer, tasks, n_samples, max_new_tokens=max_new_tokens,
-                              template=template, seed=seed, sampler=sampler)
-    sampler.sleep()
-    model.train(was_training)
-    return {"eval/format_rate": summary["format_rate"],
-            **{f"eval/pass@{k}": v for k, v in summary["pass_at_k"].items()},
-            **strategy_metrics("eval", summary["strategies"]),
-            **{f"eval/mistake/{k}": v for k, v in summary["mistakes"].items()}}
+                samples.texts, [t for t in tasks for _ in range(n // len(tasks))]).items()}}
 
 
 class Run:
@@ -274,14 +228,12 @@ class Run:
     resumable state every `save_every`."""
 
     def __init__(self, output_dir, total_steps, model, tok, opt, evaluate, *, sched=None, ref=None,
-                 seed=0, resume=False, grad_clip=1.0, skip_nonfinite=False, eval_every=0,
-                 save_every=25, config=None, wandb_project="", eval_first=True, lr=None,
-                 warmup_steps=0, term_grads=False):
+                 seed=0, resume=False, skip_nonfinite=False, eval_every=0, save_every=25,
+                 config=None, wandb_project="", eval_first=True, term_grads=False):
         self.output_dir, self.total, self.model, self.tok = output_dir, total_steps, model, tok
+        # the optimizer, schedule and moving reference are the script's: Run saves and restores them
         self.opt, self.evaluate, self.sched, self.ref = opt, evaluate, sched, ref
-        # lr: a constant lr after warm-up; None: `sched` sets it
-        self.lr, self.warmup_steps = lr, warmup_steps
-        self.grad_clip, self.skip_nonfinite = grad_clip, skip_nonfinite
+        self.skip_nonfinite = skip_nonfinite
         self.eval_every, self.save_every = eval_every, save_every
         self.eval_first = eval_first  # SFT has nothing to measure at step 0
         self.term_grads = term_grads  # measure each loss term's own gradient on diagnose steps
@@ -298,14 +250,14 @@ class Run:
         self.log = Logger(output_dir, total_steps, config, wandb_project, self.start)
 
     def steps(self):
-        """Step numbers from the first not yet done; logs the start's evaluation on a fresh run."""
+        """Step numbers from the first not yet done; logs the start's evaluation on a fresh run.
+        Between steps it takes the cores a stage that ended beside this one left (run_cpu.sh's
+        scheduler; nothing outside it): a speed, never a number, changes."""
         if not self.start and self.eval_first:
             self.log.log(0, self.evaluate())  # where the init starts
         for step in range(self.start + 1, self.total + 1):
-            follow_threads()  # a stage that ended beside this one left its cores
+            follow_threads()
             self.step, self.t0, self.t_sample = step, time.time(), 0.0
-            if self.lr is not None:
-                warmup_lr(self.opt, self.lr, step, self.warmup_steps)
             yield step
 
     def next_indices(self, pool, k):
@@ -336,20 +288,16 @@ class Run:
         """Mark the end of the step's sampling (time/sample)."""
         self.t_sample = time.time() - self.t0
 
-    def optimizer_step(self, step, loss):
-        """Clip the gradient, step if the loss and gradient are finite (else stop with one line
-        naming the last good state, or with --skip_nonfinite drop the step), then the schedule;
-        returns the grad norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+    def finite(self, step, loss, grad_norm):
+        """The non-finite stop, between the script's clip and its optimizer step: True when the
+        loss and the clipped-to gradient norm are finite. Else it stops the run with one line
+        naming the last good state, or with --skip_nonfinite returns False (the script then drops
+        the step's gradient) and counts the step. Records the grad norm for the step's log."""
+        self.grad_norms.append(float(grad_norm))
         if step_is_finite(step, loss, grad_norm, self.skip_nonfinite, self.output_dir):
-            self.opt.step()
-        else:
-            self.skipped += 1
-        if self.sched is not None:
-            self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.grad_norms.append(grad_norm.item())
-        return grad_norm
+            return True
+        self.skipped += 1
+        return False
 
     def end_step(self, step, metrics, **extra):
         """Log the step's metrics (with lr, grad norm, skipped steps and times), evaluate and
@@ -374,3 +322,51 @@ class Run:
     def close(self):
         self.log.close()
         print(f"saved {self.output_dir}" if self.total else "no training steps")
+
+
+# ---- the log -------------------------------------------------------------------------------------
+CONSOLE = {"train/loss": "loss", "train/reward": "reward", "train/accuracy": "acc",
+           "train/token_acc": "tok_acc", "eval/loss": "eval_loss", "eval/pass@1": "pass@1",
+           "train/resp_len": "len", "time/step": "s"}
+
+
+class Logger:
+    """metrics.jsonl always, one console line per step under a tqdm bar, wandb only if asked."""
+
+    def __init__(self, output_dir, total_steps, config=None, wandb_project="", start_step=0):
+        from tqdm import tqdm
+        os.makedirs(output_dir, exist_ok=True)
+        if config is not None:  # the run's arguments
+            with open(os.path.join(output_dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=1)
+        path = os.path.join(output_dir, "metrics.jsonl")
+        # resumed: drop what was logged after the restored state
+        if start_step and os.path.isfile(path):
+            keep = [line for line in open(path)
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+            open(path, "w").writelines(keep)
+        self.file = open(path, "a")
+        self.total, self.t0 = total_steps, time.time()
+        self.bar = tqdm(total=total_steps, initial=start_step, leave=False, dynamic_ncols=True)
+        self.wandb = None
+        if wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=wandb_project, config=config)
+
+    def log(self, step, metrics):
+        metrics = {k: float(v) for k, v in metrics.items()}
+        row = {"step": step, "wall": round(time.time() - self.t0, 2), **metrics}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        shown = [f"{short} {metrics[k]:.3g}" for k, short in CONSOLE.items() if k in metrics]
+        self.bar.write(" | ".join([f"step {step}/{self.total}"] + shown))
+        self.bar.n = step
+        self.bar.refresh()
+
+    def close(self):
+        self.bar.close()
+        self.file.close()
+        if self.wandb:
+            self.wandb.finish()

@@ -1,5 +1,6 @@
 """Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (a few M
-parameters) and its byte-level BPE tokenizer trained on the task's own text."""
+parameters) and its byte-level BPE tokenizer trained on the task's own text; and the precision a
+training forward computes in on this device."""
 import functools
 import json
 import os
@@ -8,10 +9,36 @@ import re
 
 import torch
 
-import traces
 import verifier
-from common import CountdownError
-from data import TEMPLATES, check_hub, make_prompt
+from plumbing import traces
+from plumbing.flags import CountdownError
+from plumbing.tasks import TEMPLATES, check_hub, make_prompt
+
+
+# ---- the precision a training forward computes in (common.autocast applies it) ----------------
+def device_and_dtype():
+    """bf16 on a GPU (what the papers trained in), fp32 on CPU (sampling and inference stay fp32
+    there)."""
+    return ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+
+
+def cpu_bf16():
+    """Whether training forwards on this CPU compute in bf16: yes where it has native bf16 dot
+    products (AVX512-BF16 or AMX), where bf16 matmuls ran 3.6x faster than fp32 ones (README,
+    performance); elsewhere they are emulated and slow. COUNTDOWN_CPU_BF16=0 or 1 overrides (0
+    reproduces the fp32 numbers)."""
+    if os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1"):
+        return os.environ["COUNTDOWN_CPU_BF16"] == "1"
+    return any(
+        getattr(torch.cpu, f, lambda: False)()
+        for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def trains_in_bf16(device):
+    """Whether training forwards on `device` compute in bf16 (common.autocast): on a GPU always,
+    on a CPU where cpu_bf16(). Every script records it in args.json as `train_compute`."""
+    return device == "cuda" or cpu_bf16()
+
 
 # ---- models and tokenizers -----------------------------------------------------------------------
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

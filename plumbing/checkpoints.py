@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-from common import CountdownError
+from plumbing.flags import CountdownError
 
 
 def plain_weights(model, device=None):

@@ -2,12 +2,13 @@
 soon as the units they need have finished, the longest remaining chain first, as many at once as
 the machine has cores; the running units share the cores equally, and when one ends its share goes
 to the others (a training loop reads its thread count from a file once a step:
-common.follow_threads). While they run, the console shows each unit's commands as they start, its
+flags.follow_threads). While they run, the console shows each unit's commands as they start, its
 test pass@1 when it is evaluated, a status line every --status_every seconds (each running stage,
 its step, its threads, the time since the start) and a failure the moment it happens, with its
 log's last lines. Stdlib only: run_cpu.sh calls it; `./run_cpu.sh --plan` prints its schedule.
 
-  python pipeline.py --out OUT --cores 2 --command "bash run_cpu.sh --unit {} OUT" sft teacher rloo:sft
+  python -m plumbing.pipeline --out OUT --cores 2 --command "bash run_cpu.sh --unit {} OUT" \
+      sft teacher rloo:sft
 """
 import argparse
 import os

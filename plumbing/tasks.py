@@ -1,7 +1,7 @@
 """What every script trains and evaluates on: Countdown tasks (the generator's splits, JSONL files
 and hub datasets, with a one-line error naming the embedded alternative when the hub cannot be
-reached), the prompt templates, sft.py's examples, ipo.py's solver pairs, and the RL scripts'
-curriculum."""
+reached), the prompt templates, sft.py's examples (RLT's teacher and student formats among them),
+ipo.py's solver pairs, and the RL scripts' curriculum."""
 import json
 import os
 import random
@@ -9,8 +9,8 @@ import re
 import socket
 
 import verifier
-from common import CountdownError
-from traces import MISTAKES, arith_text, flip_operator, make_trace, parse_mix
+from plumbing.flags import CountdownError
+from plumbing.traces import MISTAKES, arith_text, flip_operator, make_trace, parse_mix
 
 # ---- prompts ---------------------------------------------------------------------------
 # TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the
@@ -209,7 +209,7 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
     problems (new ones each call: another solution path, other dead ends; each trace's strategy
     drawn from `mix`, its mistakes from `mistakes`), plain arithmetic over their numbers (no
     prompt: the whole text is the target, 4 random paths a row), or a dataset's fixed
-    query/completion pairs. (RLT's teacher format, `rlt:`, is rlt_data.teacher_sft_data.)"""
+    query/completion pairs. (RLT's teacher format, `rlt:`, is teacher_sft_data.)"""
     kind, _, spec = data.partition(":")
     if kind in ("gen", "arith"):
         tasks = load_tasks("gen:" + spec, split, n or 20_000)
@@ -238,6 +238,60 @@ def sft_data(data, split, n, template, eval_problems, dead_ends=0.0, near_misses
         r["completion"] for r in rows]
 
 
+# ---- RLT's two prompt formats (004 Fig. 6-7, adapted), its teacher's warm-up ---------------------
+def student_prompt(task, template):
+    return make_prompt(task["nums"], task["target"], template)  # ends with "<think>"
+
+
+def teacher_prompt(task, solution, template):
+    """The student's prompt with the solution first in the assistant's turn; the explanation then
+    opens <think> (004 Fig. 7: solution block, then the explanation block)."""
+    prompt = student_prompt(task, template).removesuffix("<think>")
+    return prompt + f"<answer>{solution}</answer>\n<think>"
+
+
+def student_completion(explanation, solution):
+    """The distillation target d_i: the teacher's think tokens, then the solution (004 §3.2)."""
+    return f"{explanation}</think>\n<answer>{solution}</answer>"
+
+
+def student_row(task, explanation, solution, template):
+    """An exported explanation as sft.py's data: the student's prompt, e, then s (004 Fig. 3)."""
+    return {"query": student_prompt(task, template), "nums": task["nums"], "target": task["target"],
+            "completion": student_completion(explanation, solution)}
+
+
+def teacher_sft_data(data, split, n, template, eval_problems=0, seed=0, dead_ends=0.0,
+                     near_misses=0.0, mix=None):
+    """sft.py's `--data rlt:SOURCE`: the teacher's format warm-up (004 §A.1). Each trace becomes
+    a teacher example: the prompt is teacher_prompt with the trace's own answer, the target its
+    text up to </think>. SOURCE is a JSONL file of samples (nums, target, completion), as the
+    paper's warm-up rewrites its baseline's own distillation traces: here evaluate.py --export's
+    accepted samples of the verified teacher, each kept only where the verifier accepts it (the
+    file's last rows held out, as file_split); or the generator's spec, one solver trace a
+    problem. Returns (prompts, rng -> responses), as sft_data."""
+    source = data.partition(":")[2]
+    if os.path.isfile(source):  # prompts built here, not matched: they are the teacher's
+        rows = file_split(read_jsonl(source, ["nums", "target", "completion"]), split,
+                          eval_problems)
+        rows = [r for r in rows if verifier.score(r["completion"], r["nums"], r["target"]) == 1.0
+                ][:n or None]
+        if not rows:
+            raise CountdownError(
+                f"--data {data}: no sample the verifier accepts in its {split} rows")
+        tasks, traces = [{"nums": r["nums"], "target": r["target"]} for r in rows], [
+            r["completion"] for r in rows]
+    else:
+        tasks = load_tasks("gen:" + source, split, n or 20_000)
+        rng = random.Random(seed)
+        traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix)
+                  for t in tasks]
+    prompts = [teacher_prompt(t, verifier.extract_answer(x), template)
+               for t, x in zip(tasks, traces)]
+    explanations = [x.split("</think>")[0] + "</think>" for x in traces]
+    return prompts, lambda rng: explanations
+
+
 def solver_pairs(tasks, template, rng):
     """Paper 001's scripted preference pairs: (prompt, a solver trace, the same trace with one
     operator of its answer flipped), for the tasks whose answer has a flip that misses."""
@@ -256,7 +310,7 @@ def solver_pairs(tasks, template, rng):
 #   tiers   paper 001 Algorithm 1: tiers T_0..T_{m-1} by (operand count, target bin), easiest
 #           first. A step draws uniformly from T_0 ∪ ... ∪ T_level; when the mean rollout accuracy
 #           of the last W steps reaches τ, the next tier unlocks and the window clears.
-#   filter  paper 002 §5.2: only problems the init solves sometimes (sampler.probe measures each).
+#   filter  paper 002 §5.2: only problems the init solves sometimes (common.probe measures each).
 #           A problem the init always or never solves makes groups of equal rewards: A = 0.
 # Departures: 001 gives no W or τ (ours: 10 steps, 0.6); 002 filters by one SFT answer per problem
 # (ours: k samples, and "sometimes" rather than "right").

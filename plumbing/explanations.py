@@ -1,66 +1,15 @@
-"""RLT's data (rlt.py, and sft.py's `--data rlt:`): the teacher's and the student's formats, which
-problems the teacher explains, the λ / α its reward is balanced with, and the export of its
-explanations as a student's SFT data (paper 004 §3.2, §A.1, Table 4)."""
+"""RLT's explanations (rlt.py): which problems the teacher explains, the λ / α its reward is
+balanced with, and the export of its explanations as a student's SFT data (paper 004 §3.2, §A.1,
+Table 4). The teacher's and the student's prompt formats, and the teacher's format warm-up (sft.py's
+`--data rlt:`), are data like every script's: plumbing/tasks.py."""
 import itertools
 import json
 import os
-import random
 
-from common import CountdownError
-from data import file_split, load_tasks, make_prompt, read_jsonl, write_jsonl
-from traces import arithmetic, make_trace
-from verifier import extract_answer, score, solve
-
-
-# ---- the two prompt formats (004 Fig. 6-7, adapted) ----------------------------------------------
-def student_prompt(task, template):
-    return make_prompt(task["nums"], task["target"], template)  # ends with "<think>"
-
-
-def teacher_prompt(task, solution, template):
-    """The student's prompt with the solution first in the assistant's turn; the explanation then
-    opens <think> (004 Fig. 7: solution block, then the explanation block)."""
-    prompt = student_prompt(task, template).removesuffix("<think>")
-    return prompt + f"<answer>{solution}</answer>\n<think>"
-
-
-def student_completion(explanation, solution):
-    """The distillation target d_i: the teacher's think tokens, then the solution (004 §3.2)."""
-    return f"{explanation}</think>\n<answer>{solution}</answer>"
-
-
-def student_row(task, explanation, solution, template):
-    """An exported explanation as sft.py's data: the student's prompt, e, then s (004 Fig. 3)."""
-    return {"query": student_prompt(task, template), "nums": task["nums"], "target": task["target"],
-            "completion": student_completion(explanation, solution)}
-
-
-def teacher_sft_data(data, split, n, template, eval_problems=0, seed=0, dead_ends=0.0,
-                     near_misses=0.0, mix=None):
-    """sft.py's `--data rlt:SOURCE`: the teacher's format warm-up (004 §A.1). Each trace becomes
-    a teacher example: the prompt is teacher_prompt with the trace's own answer, the target its
-    text up to </think>. SOURCE is a JSONL file of samples (nums, target, completion), as the
-    paper's warm-up rewrites its baseline's own distillation traces: here evaluate.py --export's
-    accepted samples of the verified teacher, each kept only where the verifier accepts it (the
-    file's last rows held out, as data.file_split); or the generator's spec, one solver trace a
-    problem. Returns (prompts, rng -> responses), as data.sft_data."""
-    source = data.partition(":")[2]
-    if os.path.isfile(source):  # prompts built here, not matched: they are the teacher's
-        rows = file_split(read_jsonl(source, ["nums", "target", "completion"]), split,
-                          eval_problems)
-        rows = [r for r in rows if score(r["completion"], r["nums"], r["target"]) == 1.0][:n or None]
-        if not rows:
-            raise CountdownError(f"--data {data}: no sample the verifier accepts in its {split} rows")
-        tasks, traces = [{"nums": r["nums"], "target": r["target"]} for r in rows], [
-            r["completion"] for r in rows]
-    else:
-        tasks = load_tasks("gen:" + source, split, n or 20_000)
-        rng = random.Random(seed)
-        traces = [make_trace(t["nums"], t["target"], rng, dead_ends, near_misses, mix)
-                  for t in tasks]
-    prompts = [teacher_prompt(t, extract_answer(x), template) for t, x in zip(tasks, traces)]
-    explanations = [x.split("</think>")[0] + "</think>" for x in traces]
-    return prompts, lambda rng: explanations
+from plumbing.flags import CountdownError
+from plumbing.tasks import load_tasks, write_jsonl
+from plumbing.traces import arithmetic
+from verifier import solve
 
 
 # ---- which problems the teacher explains ---------------------------------------------------------
@@ -77,7 +26,7 @@ def rlt_tasks(data, eval_data, eval_problems, n=None):
 
 def solved(tasks, n=None):
     """(task, solution) for the first n tasks that have one the traces' format can write: the
-    restricted solver's (every intermediate a non-negative integer, as traces.py writes `a op b = v`
+    restricted solver's (every intermediate a non-negative integer, as plumbing/traces.py writes `a op b = v`
     lines). An expression like `18 - (1 - 7)` or `12 / (6 / 17)` has a step no explanation in that
     format can state, so its problem is left out (7.5 % of the embedded training problems; a hub
     dataset's 4-number problems are solved as needed: all 490k up front would take minutes)."""

@@ -1,7 +1,9 @@
-"""The fast twin of sampler.HFSampler's plain decode loop: the same tokens and log-probs, token for
+"""The fast twin of common.HFSampler's plain decode loop: the same tokens and log-probs, token for
 token (tests/test_sampler.py), by the model's own modules called one by one over a KV cache written
-in place, with no transformers cache object, mask or output classes in between. sampler.py picks it
-by its `decode` flag, by default on every device (the faster there; docs/studies/performance.md):
+in place, with no transformers cache object, mask or output classes in between. common.py picks it
+by its `decode` flag, by default on every device (the faster there; docs/studies/performance.md),
+and hands it the token picker it shares with the plain loop (`pick`: common._pick), so that this
+file imports nothing from the top level:
   dynamic  (a CPU's default) the cache grows, finished rows leave the batch;
   static   one step at fixed shapes (_StaticStep): every row decodes to the batch's end, the cache
            preallocated, positions and step index on the device;
@@ -11,13 +13,12 @@ by its `decode` flag, by default on every device (the faster there; docs/studies
 Qwen2 and Llama only (_decoder_parts says so for others: use decode='plain')."""
 import torch
 
-import sampler as S  # its _pick, looked up at each call (the tests script it)
-from common import CountdownError
+from plumbing.flags import CountdownError
 
 
-def dynamic_batch(model, eos, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
+def dynamic_batch(model, eos, pick, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
                   bottom_p_freq):
-    """sampler.HFSampler's plain loop, fast: the same finished rows leave the batch and its cache
+    """common.HFSampler's plain loop, fast: the same finished rows leave the batch and its cache
     (_KVCache.keep) whenever a quarter of it has finished. Returns each row's (tokens, log-probs,
     finished), as the plain loop."""
     L = max_new_tokens
@@ -29,7 +30,7 @@ def dynamic_batch(model, eos, rows, temperature, top_p, top_k, max_new_tokens, g
     live = torch.arange(b, device=dev)  # which of the b rows the batch (and cache) holds
     active = torch.ones(b, dtype=torch.bool, device=dev)  # live rows without an EOS yet
     for t in range(L):
-        tok = S._pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)  # (live,)
+        tok = pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)  # (live,)
         toks[live, t] = tok
         # the trainer's token_stats(temperature=T)
         tempered = logits.float() / (temperature or 1.0)
@@ -49,7 +50,7 @@ def dynamic_batch(model, eos, rows, temperature, top_p, top_k, max_new_tokens, g
     return _trim(toks, lps, eos)
 
 
-def static_batch(model, eos, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
+def static_batch(model, eos, pick, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
                  bottom_p_freq, graph=False):
     """dynamic_batch at static shapes (_StaticStep): every row runs to the batch's end, drawing each
     step, so a row's draws do not depend on which others finished; the batch stops when every
@@ -59,9 +60,9 @@ def static_batch(model, eos, rows, temperature, top_p, top_k, max_new_tokens, ge
     decoder, head = _decoder_parts(model)
     logits, kv, bias, pos, rope = _prefill(decoder, head, rows, L, eos, slots=0)
 
-    def pick(x):  # looked up at each call: the tests script _pick
-        return S._pick(x, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)
-    step = _StaticStep(decoder, head, kv, bias, pos, rope, logits, L, pick, temperature, eos)
+    def pick_row(x):
+        return pick(x, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq)
+    step = _StaticStep(decoder, head, kv, bias, pos, rope, logits, L, pick_row, temperature, eos)
     del kv, logits  # the prompt's cache now lives in the step's buffer
     replay = None
     for t in range(1, L):

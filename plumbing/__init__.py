@@ -1,0 +1,15 @@
+"""The plumbing: what every script needs and a student never has to open to follow an algorithm.
+The lessons are the top level (sft ipo rloo grpo opd rlt, their helpers in common.py and
+verifier.py, evaluate.py); this package imports nothing from it but verifier.py.
+  flags.py         the command line: Args in two levels, --help, one-line errors, seeds, threads
+  harness.py       the run around a loop: output dir, policy and frozen models, data order,
+                   the non-finite stop, evaluation schedule, checkpoints and exact resume, the log
+  plumbing/checkpoints.py   HF checkpoints and resumable states, written atomically
+  plumbing/models.py        models and tokenizers (hub, dir or the embedded tiny one), training precision
+  tasks.py         Countdown tasks, prompt templates, SFT/IPO data, RLT's formats, the curriculum
+  plumbing/traces.py        the solver's search traces, their strategies and the mistakes LLM traces make
+  explanations.py  RLT's explanations: which problems, the reward's balance, their export
+  plumbing/fast_decode.py   the HF sampler's fast twin (and its CUDA graph), equal to common.py's loop
+  plumbing/report.py        tables and plots (evaluate.py --run / --plot / --compare)
+  plumbing/pipeline.py      run_cpu.sh's scheduler of stages side by side
+"""
