@@ -86,9 +86,8 @@ class HFSampler:
       plain    _batch below, the one to read: the transformers model's forward once per token over
                its own KV cache;
       dynamic  (a CPU's default) its fast twin in plumbing/fast_decode.py, the same tokens and
-               log-probs
-               (tests/test_sampler.py): the model's modules called one by one over a cache written
-               in place, 1.6-1.9x the plain loop's tokens/s (docs/studies/reader_path.md);
+               log-probs (tests/test_sampler.py): the model's modules called one by one over a
+               cache written in place, 1.6-1.9x the plain loop's tokens/s;
       static, graph  (a GPU's default: graph) the fast twin's step at fixed shapes, captured as a
                CUDA graph and replayed per token (CUDA only).
     1,024 rows a batch: the tiny model's evaluation sampled 22,200 tokens/s on 2 CPU cores, 17,000
