@@ -13,8 +13,8 @@
   3. The training forward: the precision it computes in (autocast), prompt and response packed with
      response masks (micro-batches of rollouts), and chunked log-probs, entropy and KL over the
      vocabulary, so no (B, T, V) logits tensor ever exists (token_stats).
-  4. Two small pieces two scripts share: μ's log-probs (behavior_logp) and a moving reference
-     (mix_reference).
+  4. Three pieces the scripts share: the k3 KL estimator (k3_kl), μ's log-probs (behavior_logp)
+     and a moving reference (mix_reference).
 Nothing here knows one algorithm; the package (plumbing/) holds what a step never needs read."""
 import contextlib
 import functools
@@ -618,7 +618,20 @@ def logprob_gap(model, tokenizer, samples, temperature):
     return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()
 
 
-# ---- two pieces two scripts share ---------------------------------------------------------------
+# ---- three pieces the scripts share ------------------------------------------------------------
+def k3_kl(logp, other_logp, sample_logp=None):
+    """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative
+    (paper 001 §3.1.4's KL estimator). On tokens from π_θ its value estimates KL(π_θ ‖ other), but
+    as a loss its gradient is KL(other ‖ π_θ)'s. With `sample_logp`, the log-probs of the policy μ
+    that drew the tokens (RLOO's sampler, GRPO's π_old), k3 is multiplied by the differentiable
+    ratio π_θ/μ (TRL's use_bias_correction_kl): over μ's tokens its expectation is then
+    KL(π_θ ‖ other) and its gradient that KL's (tests/test_rl.py checks both). RLOO's KL to μ,
+    GRPO's and RLT's to π_ref: one copy, so that a course's handout blanks it once."""
+    log_r = other_logp - logp
+    k3 = log_r.exp() - 1 - log_r
+    return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
+
+
 def behavior_logp(mu, logp, sampler_logp):
     """μ's log-probs of the sampled tokens (b, T-1), for RLOO's and OPD's weight w = π_θ/μ and their
     KL (000 Eq. 3): `sampler`, the sampler's own (the paper's μ, the policy that sampled; a bf16

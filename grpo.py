@@ -31,8 +31,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, make_sampler, micro_batches, mix_reference, probe, rollouts,
-                    score_rollouts, token_stats)
+from common import (autocast, k3_kl, make_sampler, micro_batches, mix_reference, probe,
+                    rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
                             parse_args, seed_everything)
@@ -122,18 +122,6 @@ def grpo_advantages(reward, scale=True, eps=1e-4):
     (unbiased) std unless `scale` is off; a group of equal rewards gets A = 0 either way."""
     centered = reward - reward.mean(1, keepdim=True)                                  # (B, G)
     return centered / (reward.std(1, keepdim=True) + eps) if scale else centered
-
-
-def k3_kl(logp, other_logp, sample_logp=None):
-    """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative.
-    On tokens from π_θ its value estimates KL(π_θ ‖ other), but as a loss its gradient is
-    KL(other ‖ π_θ)'s. With `sample_logp`, the log-probs of the policy π_old that drew the
-    tokens, k3 is multiplied by the differentiable ratio ρ = π_θ/π_old (TRL's
-    use_bias_correction_kl): over π_old's tokens its expectation is then KL(π_θ ‖ other) and its
-    gradient that KL's (tests/test_rl.py)."""
-    log_r = other_logp - logp
-    k3 = log_r.exp() - 1 - log_r
-    return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
 def tis_weight(old_logp, sampler_logp, cap):

@@ -89,9 +89,10 @@ class Args(RLArgs):
                                        "answer (docs/studies/strategies.md)")
 
 def rloo_advantages(reward, positive_weight=1.0):
-    """Eq. 3's leave-one-out baseline (Algorithm 1 line 2). reward (B, G) -> A (B, G): each rollout
-    minus the mean of the other G−1 of its prompt; every group sums to zero, unless positive
-    advantages are scaled by positive_weight λ < 1 (W-REINFORCE, as in rloo.py)."""
+    """rloo.py's, line for line (a course's handout blanks the two together). Eq. 3's leave-one-out
+    baseline (Algorithm 1 line 2): reward (B, G) -> A (B, G), each rollout minus the mean of the
+    other G−1 of its prompt; every group sums to zero, unless positive advantages are scaled by
+    positive_weight λ < 1 (W-REINFORCE, as in rloo.py)."""
     G = reward.shape[1]
     baseline = (reward.sum(1, keepdim=True) - reward) / (G - 1)                       # (B, G)
     adv = reward - baseline

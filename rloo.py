@@ -27,8 +27,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, make_sampler, micro_batches, probe, rollouts,
-                    score_rollouts, token_stats)
+from common import (autocast, behavior_logp, k3_kl, make_sampler, micro_batches, probe,
+                    rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
 from plumbing.harness import Run, load_policy, prepare_run, rollout_metrics, step_seed, warmup_lr
@@ -100,18 +100,6 @@ def importance_weights(logp_seq, old_seq, clip):
     clipped w, raw w"""
     raw = (logp_seq - old_seq).detach().exp()
     return raw.clamp(max=clip), raw
-
-
-def k3_kl(logp, other_logp, sample_logp=None):
-    """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative.
-    On tokens from π_θ its value estimates KL(π_θ ‖ other), but as a loss its gradient is
-    KL(other ‖ π_θ)'s. With `sample_logp`, the log-probs of the policy μ that drew the tokens, k3
-    is multiplied by the differentiable ratio π_θ/μ (TRL's use_bias_correction_kl): over μ's
-    tokens its expectation is then KL(π_θ ‖ other) and its gradient that KL's (tests/test_rl.py
-    checks both)."""
-    log_r = other_logp - logp
-    k3 = log_r.exp() - 1 - log_r
-    return k3 if sample_logp is None else (logp - sample_logp).exp() * k3
 
 
 def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip, kl_ratio=True,

@@ -38,7 +38,7 @@ from functools import partial
 
 import torch
 
-from common import autocast, make_sampler, micro_batches, mix_reference, token_stats
+from common import autocast, k3_kl, make_sampler, micro_batches, mix_reference, token_stats
 from plumbing.explanations import (balanced, export_traces, measure_balance, next_solved,
                                    rlt_tasks, solved)
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
@@ -186,10 +186,12 @@ def score_explanations(teacher, student, tok, tasks, sols, explanations, templat
 
 
 # ---- the GRPO update, with 004's choices ---------------------------------------------------------
-def grpo_advantages(reward, eps=1e-4):
-    """004 Eq. 2: (r − mean) / (std + ε) within each group of G. (B, G) -> (B, G); equal rewards ->
-    0."""
-    return (reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + eps)
+def grpo_advantages(reward, scale=True, eps=1e-4):
+    """grpo.py's, line for line (a course's handout blanks the two together). 004 Eq. 2: reward
+    (B, G) -> A (B, G), centered within each group and divided by the group's (unbiased) std
+    unless `scale` is off; a group of equal rewards gets A = 0 either way."""
+    centered = reward - reward.mean(1, keepdim=True)                                  # (B, G)
+    return centered / (reward.std(1, keepdim=True) + eps) if scale else centered
 
 
 def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
@@ -200,9 +202,8 @@ def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
     ratio = (logp - old_logp).exp()                                                    # (b, T-1)
     A = adv[:, None]
     surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon) * A)
-    log_r = ref_logp - logp if ref_logp is not None else torch.zeros_like(logp)
-    kl = log_r.exp() - 1 - log_r                                                       # (b, T-1) k3
-    kl = ratio * kl if kl_ratio else kl
+    kl = torch.zeros_like(logp) if ref_logp is None else \
+        k3_kl(logp, ref_logp, old_logp if kl_ratio else None)                          # (b, T-1)
     seq_mean = lambda x: (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # noqa: E731 (b,)
     terms = {"pg": seq_mean(-surrogate), "kl": seq_mean(beta * kl)}  # StepStats.term_grads
     return seq_mean(-surrogate + beta * kl), {"kl": kl.detach(), "terms": terms}

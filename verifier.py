@@ -104,11 +104,14 @@ def score(response, numbers, target):
 
 def dense_score(response, numbers, target):
     """Paper 001's shaped reward: a valid expression over exactly `numbers` with value v != target
-    earns 0.1 + 0.5 * max(0, 1 - |v - target| / max(1, |target|)); otherwise as score()."""
-    expr = extract_answer(response)
-    value = None if expr is None else evaluate_expression(expr, numbers)
-    if value is None or value == target:
-        return 0.0 if expr is None else 0.1 if value is None else 1.0
+    earns 0.1 + 0.5 * max(0, 1 - |v - target| / max(1, |target|)); otherwise as score(), which it
+    calls."""
+    sparse = score(response, numbers, target)
+    if sparse != 0.1:  # no answer, or the target
+        return sparse
+    value = evaluate_expression(extract_answer(response), numbers)
+    if value is None:  # an answer, but not a valid expression over exactly `numbers`
+        return 0.1
     return 0.1 + 0.5 * max(0.0, 1.0 - float(abs(value - target)) / max(1, abs(target)))
 
 

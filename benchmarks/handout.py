@@ -1,9 +1,15 @@
-"""A course's handout: a copy of this repo (its git-tracked files) in which the named functions keep
-their signature and docstring and lose their body, for students to write. tests/test_graded.py
-grades each one (docs/exercises.md, "For instructors", has the list and what to assign).
+"""A course's handout: a copy of this repo (its git-tracked files, the instructor's key left out) in
+which the graded functions of the parts asked for keep their signature and docstring and lose their
+body, for students to write. tests/test_graded.py grades each; docs/assignment.md is the students'
+page, docs/instructor.md the key that stays with the instructor.
 
-  python benchmarks/handout.py ../handout rloo.rloo_advantages rloo.rloo_loss grpo.grpo_advantages
-  cd ../handout && python -m pytest tests/test_graded.py -n 0    # fails, naming each one
+  python benchmarks/handout.py ../handout                 # every part
+  python benchmarks/handout.py ../handout rloo grpo       # some parts (or module.function names)
+  cd ../handout && python -m pytest tests/test_graded.py -n 0    # fails, naming each blank
+
+Where a blanked body has a twin in another file (a copy, or a function that contains its lines),
+the twin is blanked with it: no line of an answer is left anywhere in the copy (tests/test_graders.py
+makes every part's handout and checks).
 """
 import ast
 import os
@@ -12,6 +18,28 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the assignment's parts (docs/assignment.md): the functions a student writes in each
+PARTS = {
+    "verifier": ["verifier.score"],
+    "sft": ["sft.sft_loss"],
+    "ipo": ["ipo.ipo_loss", "ipo.sequence_logp", "ipo.rpo_nll"],
+    "rloo": ["rloo.rloo_advantages", "rloo.importance_weights", "common.k3_kl", "rloo.rloo_loss"],
+    "grpo": ["grpo.grpo_advantages", "grpo.grpo_loss", "grpo.aggregate"],
+    "opd": ["opd.opd_loss"],
+    "rlt": ["rlt.reward_parts", "rlt.rlt_reward"],
+}
+# each script reads alone, so a few lessons have a twin in another script: blanked together
+TWINS = {
+    "rloo.rloo_advantages": ["opd.rloo_advantages"],  # OPD's Algorithm 1 takes RLOO's advantage
+    "rloo.importance_weights": ["opd.opd_loss"],  # OPD's loss holds RLOO's w, its PG term, its KL
+    "rloo.rloo_loss": ["opd.opd_loss"],
+    "opd.opd_loss": ["rloo.rloo_loss", "rloo.importance_weights"],
+    "grpo.grpo_advantages": ["rlt.grpo_advantages"],  # RLT's update is GRPO's (004 Eq. 6)
+    "grpo.grpo_loss": ["rlt.rlt_loss"],
+}
+# the instructor's key: the measured answers, the rubric, the graders' own tests (with the mistakes
+# they are graded against, which quote the reference code)
+INSTRUCTOR = ["docs/instructor.md", "tests/test_graders.py"]
 
 
 def blank(source, name):
@@ -28,21 +56,55 @@ def blank(source, name):
     return "".join(lines[:body[0].lineno - 1] + [stub] + lines[fn.end_lineno:])
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 3:
-        raise SystemExit(__doc__)
-    out, names = sys.argv[1], sys.argv[2:]
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
+def to_blank(asked):
+    """The qualified functions a handout of `asked` (parts or module.function names) blanks: each,
+    its twins and theirs."""
+    out = []
+    for name in asked:
+        if name not in PARTS and "." not in name:
+            raise SystemExit(f"error: {name!r} is no part ({', '.join(PARTS)}) and no module.function")
+        todo = list(PARTS.get(name, [name]))
+        while todo:  # a twin's twins too
+            q = todo.pop(0)
+            if q not in out:
+                out.append(q)
+                todo += TWINS.get(q, [])
+    return out
+
+
+def body_lines(source, name):
+    """The code lines of function `name`'s body in `source`, stripped, with no comment: what a
+    handout must not leave anywhere. Lines under 16 characters but spaces (`return adv`,
+    `"terms": terms}`) are a function's shape, not its answer, and are left out."""
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    lines = [x.split("  #")[0].strip() for x in source.splitlines()[body[0].lineno - 1:fn.end_lineno]]
+    return [x for x in lines if len("".join(x.split())) >= 16 and not x.startswith("#")]
+
+
+def make(out, asked):
+    """Write the handout of `asked` to `out`; returns the qualified functions blanked."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
     for f in files:
+        if f in INSTRUCTOR or not os.path.isfile(os.path.join(ROOT, f)):
+            continue
         os.makedirs(os.path.join(out, os.path.dirname(f)), exist_ok=True)
         shutil.copy2(os.path.join(ROOT, f), os.path.join(out, f))
+    names = to_blank(asked)
     for qualified in names:
-        module, _, name = qualified.partition(".")
-        path = os.path.join(out, f"{module}.py")
+        module, _, name = qualified.rpartition(".")
+        path = os.path.join(out, module.replace(".", "/") + ".py")
         with open(path) as fh:
             source = fh.read()
         with open(path, "w") as fh:
             fh.write(blank(source, name))
-        print(f"blanked {qualified}")
-    print(f"wrote {out}: grade with `python -m pytest tests/test_graded.py -n 0` there")
+    return names
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        raise SystemExit(__doc__)
+    blanked = make(sys.argv[1], sys.argv[2:] or list(PARTS))
+    print(f"blanked {len(blanked)} functions: {', '.join(blanked)}")
+    print(f"wrote {sys.argv[1]}: grade with `python -m pytest tests/test_graded.py -n 0` there")

@@ -256,15 +256,15 @@ def mistake_of(response, numbers, target):
     no complete answer: `malformed`, an answer that is no expression; `reuse`, an expression over
     other numbers than the prompt's; else (the value wrong) `slip` if the search's last verdict is
     'found', `giveup` if not."""
-    expr = extract_answer(response)
-    if expr is None:
+    answer = extract_answer(response)
+    if answer is None:
         return None
-    value = evaluate_expression(expr, numbers)
+    value = evaluate_expression(answer, numbers)
     if value == target:
         return None
     if value is None:
-        own = [int(x) for x in re.findall(r"\d+", expr)][:8]
-        return "reuse" if own and evaluate_expression(expr, own) is not None else "malformed"
+        own = [int(x) for x in re.findall(r"\d+", answer)][:8]
+        return "reuse" if own and evaluate_expression(answer, own) is not None else "malformed"
     return "slip" if response.split("</think>")[0].rstrip().endswith("found.") else "giveup"
 
 
