@@ -41,4 +41,4 @@ echo "+ .venv/bin/python -m pip install -e .[test,plots]"
 .venv/bin/python -m pip install -q -e ".[test,plots]"
 .venv/bin/python -c "import torch; from plumbing.models import cpu_bf16; print(f'torch {torch.__version__}, \
 {torch.get_num_threads()} cores; training on this CPU in', 'bf16 (AVX512-BF16)' if cpu_bf16() else \
-'fp32 (no AVX512-BF16, or COUNTDOWN_CPU_BF16=0: about twice the bf16 time, README)')"
+'fp32 (no AVX512-BF16, or COUNTDOWN_CPU_BF16=0: README gives its time)')"

@@ -41,20 +41,35 @@ TABLE_START = "<!-- Table 1: written by `python evaluate.py --run out/cpu --publ
 TABLE_END = "<!-- end of Table 1 -->"
 
 
-def readme_table(results):
+def readme_table(results, runs=()):
     """Markdown Table 1 of a results.json: pass@1 with its 95 % interval, pass@16, the share of
-    samples that answer, give up, or carry another mistake kind, and the stage's training time."""
+    samples that answer, give up, or carry another mistake kind, the stage's training time; and,
+    given `runs` (docs/fresh_runs.json's), each stage's pass@1 range over those fresh-clone runs."""
+    span = bool(runs)
     rows = ["| stage | what it is | pass@1 (± 95 %) | pass@16 | answers | give-ups | other "
-            "mistakes | training |", "|---|---|---|---|---|---|---|---|"]
+            "mistakes | training |" + (f" pass@1, {len(runs)} fresh runs |" if span else ""),
+            "|---|---|---|---|---|---|---|---|" + ("---|" if span else "")]
     for n, r in results.items():
         m, wall = r.get("mistakes", {}), r.get("wall_seconds")
         other = sum(v for k, v in m.items() if k != "giveup")
         wall = "shipped" if wall == 0 else "—" if wall is None else f"{wall // 60}:{wall % 60:02d}"
+        seen = [x["pass@1"][n] for x in runs if n in x["pass@1"]]
         rows.append(f"| `{n}` | {WHAT.get(n, '')} | {r['pass_at_k']['1']:.3f} ± "
                     f"{1.96 * r['pass_at_1_stderr']:.3f} | {r['pass_at_k']['16']:.3f} | "
                     f"{100 * r['format_rate']:.1f} % | {100 * m.get('giveup', 0):.1f} % | "
-                    f"{100 * other:.1f} % | {wall} |")
+                    f"{100 * other:.1f} % | {wall} |"
+                    + (f" {_span(seen)} |" if seen else " — |" if span else ""))
     return "\n".join(rows)
+
+
+def _span(xs):
+    return f"{min(xs):.3f}" if min(xs) == max(xs) else f"{min(xs):.3f}–{max(xs):.3f}"
+
+
+def fresh_runs(docs=os.path.join(ROOT, "docs")):
+    """docs/fresh_runs.json's runs, or none."""
+    path = os.path.join(docs, "fresh_runs.json")
+    return json.load(open(path))["runs"] if os.path.isfile(path) else []
 
 
 def publish(out, docs=os.path.join(ROOT, "docs"), readme=os.path.join(ROOT, "README.md")):
@@ -65,7 +80,7 @@ def publish(out, docs=os.path.join(ROOT, "docs"), readme=os.path.join(ROOT, "REA
     if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1:
         raise CountdownError(f"{readme} has no Table 1 markers ({TABLE_START} ... {TABLE_END})")
     head, rest = text.split(TABLE_START)
-    table = readme_table(json.load(open(os.path.join(docs, "results.json"))))
+    table = readme_table(json.load(open(os.path.join(docs, "results.json"))), fresh_runs(docs))
     open(readme, "w").write(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{rest.split(TABLE_END)[1]}")
     print(f"wrote {docs}/results.json, {docs}/pass_at_k.png, {docs}/rl_curves.png, Table 1 of {readme}")
 

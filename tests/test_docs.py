@@ -17,6 +17,7 @@ from conftest import ROOT
 
 README = open(os.path.join(ROOT, "README.md")).read()
 RESULTS = json.load(open(os.path.join(ROOT, "docs/results.json")))
+RUNS = report.fresh_runs()
 
 
 def section(text, title):
@@ -26,7 +27,7 @@ def section(text, title):
 
 def test_readme_table_1_is_docs_results_json_to_the_digit():
     table = README.split(report.TABLE_START + "\n", 1)[1].split("\n" + report.TABLE_END, 1)[0]
-    assert table == report.readme_table(RESULTS), \
+    assert table == report.readme_table(RESULTS, RUNS), \
         "README's Table 1 is not docs/results.json's: python evaluate.py --run out/cpu --publish"
 
 
@@ -47,7 +48,26 @@ def result_numbers(results):
                 x, y = a["pass_at_k"][k], b["pass_at_k"][k]
                 d = {x - y, round(x, 3) - round(y, 3)}
                 out |= {f"{v:+.3f}" for v in d} | {f"{abs(v):.3f}" for v in d}
+    for run in RUNS:  # the fresh-clone runs' numbers, and differences within one run
+        for k in ("pass@1", "pass@16"):
+            out |= {f"{v:.3f}" for v in run[k].values()}
+            out |= {f"{x - y:+.3f}" for x in run[k].values() for y in run[k].values()}
+            out |= {f"{abs(x - y):.3f}" for x in run[k].values() for y in run[k].values()}
     return out
+
+
+def test_every_fresh_run_is_in_docs_results_md():
+    """docs/fresh_runs.json (README's ranges) and docs/results.md (the runs, labelled) agree: each
+    run's every pass@1 and pass@16 is printed in the results.md section it names."""
+    text = open(os.path.join(ROOT, "docs/results.md")).read()
+    assert len(RUNS) >= 5
+    for run in RUNS:
+        where = run["where"].split(", ", 1)[1]
+        heads = [h for h in re.split(r"\n(?=#+ )", text) if where.lower() in h.split("\n")[0].lower()]
+        assert heads, f"{run['run']}: no section of docs/results.md names {where}"
+        for k in ("pass@1", "pass@16"):
+            missing = [s for s, v in run[k].items() if not any(f"{v:.3f}" in h for h in heads)]
+            assert not missing, f"{run['run']}: {k} of {missing} not in docs/results.md's {where} section"
 
 
 def test_every_result_in_readme_is_the_current_runs():
@@ -59,6 +79,18 @@ def test_every_result_in_readme_is_the_current_runs():
     known = result_numbers(RESULTS)
     stray = [x for x in found if x.replace("−", "-") not in known]
     assert found and not stray, f"README quotes numbers docs/results.json does not have: {stray}"
+
+
+def test_the_instructors_key_and_install_quote_the_current_run():
+    """docs/instructor.md's rows of the pipeline's own evaluations (`out/cpu/eval/...`) are the
+    current run's numbers, and install.sh quotes no result or time of its own (README has them)."""
+    known = result_numbers(RESULTS)
+    rows = [line for line in open(os.path.join(ROOT, "docs/instructor.md")).read().splitlines()
+            if line.startswith("| `out/cpu/eval/")]
+    found = [x for line in rows for x in re.findall(r"(?<![\w.])(?:\d\.\d{3}|\d+\.\d %)(?![\d.])", line)]
+    assert rows and found and not [x for x in found if x not in known], (found, known & set(found))
+    install = open(os.path.join(ROOT, "install.sh")).read()
+    assert not re.findall(r"\d+(?:\.\d+)? ?(?:min|s\b|x\b|×)|twice", install), "install.sh quotes a time"
 
 
 def test_readme_is_a_walkthrough_not_a_log():
