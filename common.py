@@ -1,25 +1,15 @@
 """The helpers every algorithm's step calls, in the order a step uses them. Read top to bottom:
-  1. Sampling: n completions per prompt with their log-probs, one interface (generate -> Rollouts,
-     sync(model), sleep(), wake()) and two backends:
-       HFSampler    the training model itself samples, CPU friendly, always tested. Its plain loop
-                    over transformers' own KV cache is here to read; its fast twin
-                    (plumbing/fast_decode.py: the model's modules over a cache written in place, a
-                    CUDA graph on a GPU) gives the same tokens and is the default (--decode).
-       VLLMSampler  a vLLM engine in the trainer's process, pinned to vllm==0.32.0 (`pip install -e
-                    ".[vllm]"` on a GPU; its CPU build runs the opt-in lane `pytest -m vllm`). Every
-                    RL script logs the sampler/trainer log-prob canary (train/sampler_gap).
-  2. The RL scripts' side: rollouts() samples a batch, score_rollouts() runs the verifier (the
-     reward), probe() measures the init on each problem.
-  3. The training forward: the precision it computes in (autocast), prompt and response packed with
-     response masks (micro-batches of rollouts), and chunked log-probs, entropy and KL over the
-     vocabulary, so no (B, T, V) logits tensor ever exists (token_stats).
-  4. Three pieces the scripts share: the k3 KL estimator (k3_kl), μ's log-probs (behavior_logp)
-     and a moving reference (mix_reference).
-Nothing here knows one algorithm; the package (plumbing/) holds what a step never needs read."""
+  1. Sampling, one interface (generate -> Rollouts, sync, sleep, wake), two backends: HFSampler
+     (the training model samples; its plain loop over transformers' cache is here, its fast twin
+     in plumbing/fast_decode.py) and VLLMSampler (an engine in this process, pinned to vllm 0.32.0).
+  2. The RL scripts' side: rollouts() samples a batch, score_rollouts() runs the verifier.
+  3. The training forward: its precision (autocast), prompts and responses packed with masks, and
+     chunked log-probs, entropy and KL, so no (B, T, V) logits tensor ever exists (token_stats).
+  4. Three pieces the scripts share: k3_kl, behavior_logp, mix_reference.
+Nothing here knows one algorithm; plumbing/ holds what a step never needs read."""
 import contextlib
 import functools
 import inspect
-import json
 import os
 from dataclasses import dataclass
 
@@ -31,7 +21,7 @@ from plumbing import fast_decode
 from plumbing.checkpoints import plain_weights
 from plumbing.flags import CountdownError
 from plumbing.models import trains_in_bf16
-from plumbing.tasks import make_prompt
+from plumbing.tasks import make_prompt, solve_rates
 from verifier import dense_score, score
 
 
@@ -409,28 +399,13 @@ def score_rollouts(samples, tasks, reward="sparse", wrong_reward=0.1, no_answer_
 def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, max_new_tokens,
           seed, path):
     """The init's accuracy on each of `tasks` from k samples at `temperature`, kept on each task
-    as task["solve_rate"] (paper 002 §5.2's filter and easy/hard split) and written to `path`
-    (JSONL; read back if there, so a resumed run does not probe again). Returns `tasks`."""
-    if os.path.exists(path):
-        rows = [json.loads(line) for line in open(path)]
-        if [(list(r["nums"]), r["target"]) for r in rows] != [(list(t["nums"]), t["target"])
-                                                                for t in tasks]:
-            raise CountdownError(f"{path} probed other problems than this run's: remove it")
-        rates = [r["solve_rate"] for r in rows]
-    else:
+    as task["solve_rate"] (paper 002 §5.2's filter and easy/hard split); `path` keeps them, so a
+    resumed run does not probe again (plumbing/tasks.py: solve_rates). Returns `tasks`."""
+    def measure():
         samples = rollouts(sampler, model, tok, tasks, k, template, max_prompt_len, temperature,
-                      max_new_tokens, seed)
-        scores = score_rollouts(samples, tasks)[0].view(len(tasks), k)
-        rates = (scores == 1).float().mean(1).tolist()
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps({**t, "solve_rate": r}) + "\n" for t, r in zip(tasks, rates))
-        os.replace(path + ".tmp", path)
-    for t, r in zip(tasks, rates):
-        t["solve_rate"] = r
-    never, always = sum(r == 0 for r in rates), sum(r == 1 for r in rates)
-    print(f"probe: {len(tasks)} problems x {k} samples: the init never solves {never}, always "
-          f"{always}, sometimes {len(tasks) - never - always}")
-    return tasks
+                           max_new_tokens, seed)
+        return (score_rollouts(samples, tasks)[0].view(len(tasks), k) == 1).float().mean(1).tolist()
+    return solve_rates(path, tasks, k, measure)
 
 
 # ---- the training forward: the precision it computes in -----------------------------------------
@@ -541,9 +516,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
     `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
     (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
-    152,064: cut to the smaller); the teacher reads `teacher_inputs` = (input_ids,
-    attention_mask) of the same (B, T) shape if given (another context, left-padded so the scored tokens line up: RoPE only sees
-    relative positions), else the same tokens.
+    152,064), the teacher reading `teacher_inputs` (same (B, T), left-padded so that the scored
+    tokens line up; RoPE sees only relative positions) or the same tokens.
     entropy="logged": a metric only, built without a graph: a branch of the graph that the loss
     never reaches is never freed by its backward, and would hold two (N, V) tensors per chunk until
     the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).

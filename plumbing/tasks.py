@@ -314,6 +314,29 @@ def solver_pairs(tasks, template, rng):
 #           A problem the init always or never solves makes groups of equal rewards: A = 0.
 # Departures: 001 gives no W or τ (ours: 10 steps, 0.6); 002 filters by one SFT answer per problem
 # (ours: k samples, and "sometimes" rather than "right").
+def solve_rates(path, tasks, k, measure):
+    """Each task's solve rate (common.probe's): read back from `path` (JSONL) if a run wrote it, else
+    `measure()` (a list, one a task) written there atomically; kept on each task as
+    task["solve_rate"], with one line on the console. Returns `tasks`."""
+    if os.path.exists(path):
+        rows = [json.loads(line) for line in open(path)]
+        if [(list(r["nums"]), r["target"]) for r in rows] != [(list(t["nums"]), t["target"])
+                                                                for t in tasks]:
+            raise CountdownError(f"{path} probed other problems than this run's: remove it")
+        rates = [r["solve_rate"] for r in rows]
+    else:
+        rates = measure()
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps({**t, "solve_rate": r}) + "\n" for t, r in zip(tasks, rates))
+        os.replace(path + ".tmp", path)
+    for t, r in zip(tasks, rates):
+        t["solve_rate"] = r
+    never, always = sum(r == 0 for r in rates), sum(r == 1 for r in rates)
+    print(f"probe: {len(tasks)} problems x {k} samples: the init never solves {never}, always "
+          f"{always}, sometimes {len(tasks) - never - always}")
+    return tasks
+
+
 def tiers(tasks, bins):
     """001 Algorithm 1, line 1: task indices in tiers, by operand count, then `bins` equal-count
     bins of the target within each count; smaller counts and targets first."""
