@@ -126,9 +126,9 @@ def verify_live(sampler, tasks, budget, temperature, top_p, top_k, max_new_token
         live = [i for i, f in enumerate(first) if f is None]
         if not live:
             break
+        # a new seed a round: a new sample, not the same one again
         samples = sampler.generate([prompts[i] for i in live], 1, temperature, top_p, top_k,
-                              max_new_tokens,
-                              seed + r)  # a new seed a round: a new sample, not the same one again
+                                   max_new_tokens, seed + r)
         for i, text in zip(live, samples.texts):
             if score(text, tasks[i]["nums"], tasks[i]["target"]) == 1.0:
                 first[i] = r + 1
@@ -183,8 +183,7 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
     bar = tqdm(total=len(prompts) * num_samples, desc="sampling", unit="sample",
                leave=False) if progress else None
     samples = sampler.generate(prompts, num_samples, temperature, top_p, top_k, max_new_tokens,
-                               seed,
-                          **({"progress": bar.update} if bar else {}))
+                               seed, **({"progress": bar.update} if bar else {}))
     if bar:
         bar.close()
     records = []

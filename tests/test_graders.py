@@ -185,3 +185,15 @@ def test_a_student_who_writes_two_functions_and_submits_gets_their_points(tmp_pa
     assert grades["graded"]["verifier.score"] == grades["graded"]["sft.sft_loss"] == "passed"
     assert "not written yet" in grades["graded"]["rloo.rloo_advantages"]
     assert grades["graded"]["rloo.rloo_loss"].startswith("rloo_loss: ")
+
+
+def test_the_assignment_and_the_submit_step_give_the_same_points():
+    """docs/assignment.md's code points per function are benchmarks/submit.py's, and each part's
+    total is its heading's."""
+    import re
+    from benchmarks.submit import POINTS
+    page = open(os.path.join(ROOT, "docs/assignment.md")).read()
+    found = {q: int(n) for q, n in re.findall(r"`([\w.]+)`(?: and its twin[^()]*)? \((\d+)(?: points?)?\)", page)}
+    assert {q: found.get(q) for q in POINTS} == POINTS
+    parts = re.findall(r"^## Part \d+\. .*?\((\d+) points", page, re.M)
+    assert len(parts) == 7 and sum(map(int, parts)) == 100, parts
