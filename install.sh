@@ -40,5 +40,5 @@ echo "+ .venv/bin/python -m pip install $TORCH ${FROM[*]:-}"
 echo "+ .venv/bin/python -m pip install -e .[test,plots]"
 .venv/bin/python -m pip install -q -e ".[test,plots]"
 .venv/bin/python -c "import torch; from plumbing.models import cpu_bf16; print(f'torch {torch.__version__}, \
-{torch.get_num_threads()} cores; training on this CPU in', 'bf16 (AVX512-BF16)' if cpu_bf16() else \
-'fp32 (no AVX512-BF16, or COUNTDOWN_CPU_BF16=0: README gives its time)')"
+{torch.get_num_threads()} cores, native bf16', 'yes' if cpu_bf16() else 'no', '(./run_cpu.sh measures which \
+precision trains faster here before its first stage)')"

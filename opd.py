@@ -156,7 +156,7 @@ def main(argv=None):
         for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
                                                                  tok.pad_token_id, device):
             # logp, entropy at the rollout T, the KL at kd_temperature
-            with autocast(device, model, teacher):
+            with autocast(device, model):  # the teacher keeps its fused attention (common.autocast)
                 out = token_stats(model, ids, attn, mask, temperature=args.temperature,
                                   entropy=True, teacher=teacher, kd_temperature=args.kd_temperature,
                                   kd_reverse=args.kd_loss == "reverse")

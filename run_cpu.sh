@@ -17,6 +17,8 @@
 #                                       on 2 cores with AVX512-BF16, 9 of them the control's)
 #   RLT_STUDENT=sft RLT=1 ./run_cpu.sh  RLT's reward scored by the SFT model, not teacher_student (chosen on val)
 #   ANTICOLLAPSE=1 ./run_cpu.sh         also paper 000's anti-collapse study (two more OPD stages, ~+10 min)
+#   COMPILE=1 ./run_cpu.sh              torch.compile the SFT stages (it did not pay over 1,000 steps here)
+#   COUNTDOWN_CPU_BF16=0|1 ./run_cpu.sh  train in fp32 or bf16, not the path measured faster on this machine
 #   Each adds to a finished run: its stages run, the finished ones are skipped
 # At the end: OUT_DIR/results.json, paper 000's Tables 1-2 and OUT_DIR/{pass_at_k,rl_curves}.png.
 set -euo pipefail
@@ -31,6 +33,7 @@ REBUILD_BASE=${REBUILD_BASE:-}
 REBUILD_TEACHER=${REBUILD_TEACHER:-}
 SERIAL=${SERIAL:-}
 ANTICOLLAPSE=${ANTICOLLAPSE:-}
+COMPILE=${COMPILE:-}
 PLAN=""
 UNIT=""  # --unit NAME: run one unit of stages (how plumbing/pipeline.py starts each)
 FLAGS=()
@@ -137,9 +140,11 @@ base() {
 #    target, one subgoal a line (docs/studies/strategies.md). Then 63% of them get one mistake an LLM makes (sft.py
 #    --mistakes: a slip claimed as a hit, a number reused or left out, a give-up that answers its closest try, an
 #    answer written as an equation), so that RL has something to remove (docs/studies/unverified.md). 1,000 steps chosen
-#    on val (docs/studies/unverified.md). --compile: steps 1.3x faster after a first compile of about 2 min
+#    on val (docs/studies/unverified.md). Not compiled unless COMPILE=1: the first compile (2-2.5 min) cost more than
+#    the compiled steps saved over 1,000 of them on both CPUs measured (docs/studies/performance.md)
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
-SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 1e-3 --batch_size 64 --max_steps 1000 --eval_every 500 --compile)
+SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 1e-3 --batch_size 64 --max_steps 1000 --eval_every 500
+     ${COMPILE:+--compile})
 sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
 #    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's
 #    verification gate (--verified: what the scorer rejects is dropped; 160 traces a step keep ~59, as many as the
@@ -252,9 +257,9 @@ opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --ma
 #      running unit its share of the cores (a unit that ends hands its share on). It runs each as
 #      `run_cpu.sh --unit NAME`, which lands here
 if [[ -n $UNIT ]]; then "$UNIT"; exit; fi
-# Paper 000's table by default. The teacher's 2.5-min test evaluation waits for sft then, so that sft starts on every
-# core (compiled, it keeps the threads it starts with); with RLT=1 it starts beside sft, as its student does
-UNITS=(sft teacher:sft grpo:sft opd:sft,teacher rloo:sft ipo:sft)
+# Paper 000's table by default, the teacher's test evaluation beside sft; with COMPILE=1 after it, so that the compiled
+# sft starts on every core (it keeps the threads it starts with)
+UNITS=(sft teacher${COMPILE:+:sft} grpo:sft opd:sft,teacher rloo:sft ipo:sft)
 if [[ -n $RLT ]]; then UNITS=(sft teacher solver_student teacher_student:teacher "rlt:sft,teacher,$RLT_STUDENT" grpo:sft
                                opd:sft,teacher rloo:sft ipo:sft rlt_student:rlt); fi
 if [[ -n $ANTICOLLAPSE ]]; then UNITS+=(opd_anticollapse:opd opd_longer:opd); fi
@@ -263,6 +268,15 @@ ARGS=(--out "$OUT" --cores "$CORES" --status_every "${STATUS_EVERY:-30}")
 if [[ -n $SERIAL ]]; then ARGS+=(--serial); fi
 if [[ -n $PLAN ]]; then python -m plumbing.pipeline "${ARGS[@]}" --plan "${UNITS[@]}"; exit; fi
 base
+# The training path that is fastest on this machine, measured on the base model in ~15-25 s before the first stage
+# (plumbing/machine.py): bf16 or fp32 forwards; kept for the run's later resumes; COUNTDOWN_CPU_BF16=0|1 overrides
+if [[ ! -f $OUT/path.env || -n $FORCE || -n ${COUNTDOWN_CPU_BF16:-} ]]; then
+  echo "+ python -m plumbing.machine --init $OUT/base --cores $CORES --out $OUT/path.env"
+  python -m plumbing.machine --init "$OUT/base" --cores "$CORES" --out "$OUT/path.env"
+else
+  echo "== training forwards as measured before: $(head -n 1 "$OUT/path.env" | cut -c3-) ($OUT/path.env)"
+fi
+source "$OUT/path.env"
 echo "== $CORES cores: stages side by side, each with its share; status every ${STATUS_EVERY:-30} s, logs in $OUT/logs"
 python -m plumbing.pipeline "${ARGS[@]}" --command "bash ./run_cpu.sh ${FLAGS[*]:-} --unit {} $(printf %q "$OUT")" "${UNITS[@]}"
 

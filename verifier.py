@@ -118,12 +118,16 @@ def dense_score(response, numbers, target):
 # ---- solver and generator ----------------------------------------------------------------------
 def _moves(a, b, restricted):
     """(value, op, left, right) per way to merge two (value, expr) items; `restricted`: the
-    generator's rule, non-negative integers only (a - b only if a >= b, exact /)."""
-    out = [(a[0] + b[0], "+", a, b), (a[0] * b[0], "*", a, b), (a[0] - b[0], "-", a, b),
-           (b[0] - a[0], "-", b, a)]
-    out += [(a[0] / b[0], "/", a, b)] if b[0] else []
-    out += [(b[0] / a[0], "/", b, a)] if a[0] else []
-    return [m for m in out if not restricted or (m[0] >= 0 and m[0].denominator == 1)]
+    generator's rule, non-negative integers only (a - b only if a >= b, exact /), computed on
+    ints where the items hold ints (the traces' solver: 3x faster than Fractions), in one order."""
+    x, y = a[0], b[0]
+    if restricted:
+        return ([(x + y, "+", a, b), (x * y, "*", a, b)] + ([(x - y, "-", a, b)] if x >= y else [])
+                + ([(y - x, "-", b, a)] if y >= x else [])
+                + ([(x // y, "/", a, b)] if y and x % y == 0 else [])
+                + ([(y // x, "/", b, a)] if x and y % x == 0 else []))
+    return [(x + y, "+", a, b), (x * y, "*", a, b), (x - y, "-", a, b), (y - x, "-", b, a)] + (
+        [(x / y, "/", a, b)] if y else []) + ([(y / x, "/", b, a)] if x else [])
 
 
 def _search(items, target, restricted, path=()):

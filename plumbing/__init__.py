@@ -4,12 +4,13 @@ verifier.py, evaluate.py); this package imports nothing from it but verifier.py.
   flags.py         the command line: Args in two levels, --help, one-line errors, seeds, threads
   harness.py       the run around a loop: output dir, policy and frozen models, data order,
                    the non-finite stop, evaluation schedule, checkpoints and exact resume, the log
-  plumbing/checkpoints.py   HF checkpoints and resumable states, written atomically
-  plumbing/models.py        models and tokenizers (hub, dir or the embedded tiny one), training precision
+  checkpoints.py   HF checkpoints and resumable states, written atomically
+  models.py        models and tokenizers (hub, dir or the embedded tiny one), training precision
+  machine.py       which training precision is the faster on this machine, measured (run_cpu.sh)
   tasks.py         Countdown tasks, prompt templates, SFT/IPO data, RLT's formats, the curriculum
-  plumbing/traces.py        the solver's search traces, their strategies and the mistakes LLM traces make
+  traces.py        the solver's search traces, their strategies and the mistakes LLM traces make
   explanations.py  RLT's explanations: which problems, the reward's balance, their export
-  plumbing/fast_decode.py   the HF sampler's fast twin (and its CUDA graph), equal to common.py's loop
-  plumbing/report.py        tables and plots (evaluate.py --run / --plot / --compare)
-  plumbing/pipeline.py      run_cpu.sh's scheduler of stages side by side
+  fast_decode.py   the HF sampler's fast twin (and its CUDA graph), equal to common.py's loop
+  report.py        tables and plots (evaluate.py --run / --plot / --compare)
+  pipeline.py      run_cpu.sh's scheduler of stages side by side
 """

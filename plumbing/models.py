@@ -23,10 +23,11 @@ def device_and_dtype():
 
 
 def cpu_bf16():
-    """Whether training forwards on this CPU compute in bf16: yes where it has native bf16 dot
-    products (AVX512-BF16 or AMX), where bf16 matmuls ran 3.6x faster than fp32 ones (README,
-    performance); elsewhere they are emulated and slow. COUNTDOWN_CPU_BF16=0 or 1 overrides (0
-    reproduces the fp32 numbers)."""
+    """Whether training forwards on this CPU compute in bf16: COUNTDOWN_CPU_BF16=0 or 1, which
+    run_cpu.sh sets to the precision it measured faster here (plumbing/machine.py); unset (a script
+    run by hand), yes where the CPU has native bf16 dot products (AVX512-BF16 or AMX), elsewhere
+    emulated and 10x slower. Native is not always faster: on a 2-core Xeon with AMX the SFT step
+    was (0.638 s against fp32's 0.539; docs/studies/performance.md)."""
     if os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1"):
         return os.environ["COUNTDOWN_CPU_BF16"] == "1"
     return any(

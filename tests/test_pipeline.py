@@ -11,10 +11,12 @@ import torch
 
 from plumbing import flags
 from plumbing import harness
+from plumbing import machine
+from plumbing.models import load_model
 from plumbing import pipeline
 from conftest import GEN, ROOT
 
-UNITS = ["sft", "teacher:sft", "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft"]  # run_cpu.sh's
+UNITS = ["sft", "teacher", "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft"]  # run_cpu.sh's
 RLT_UNITS = ["sft", "teacher", "solver_student", "teacher_student:teacher", "rlt:sft,teacher,teacher_student",
              "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft", "rlt_student:rlt"]  # with RLT=1
 
@@ -30,7 +32,7 @@ def plan(cores, serial=False, env=None):
     threads)] of the stages that start first, and every line."""
     r = subprocess.run(["bash", "run_cpu.sh", "--plan", "/nonexistent/out"], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "CORES": str(cores), "SERIAL": "1" if serial else "",
-                                       **(env or {})})
+                                       "COMPILE": "", **(env or {})})
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     first = [(x.split()[1], int(x.split()[4])) for x in lines if x.strip().startswith("0:00 ")]
@@ -39,7 +41,8 @@ def plan(cores, serial=False, env=None):
 
 def test_more_cores_run_more_stages_at_once_and_serial_gives_one_all():
     assert plan(1)[0] == [("sft", 1)]
-    assert plan(2)[0] == [("sft", 2)]  # paper 000's table: sft alone first, on every core
+    assert plan(2)[0] == [("sft", 1), ("teacher", 1)]  # paper 000's table: the teacher's test beside sft
+    assert plan(2, env={"COMPILE": "1"})[0] == [("sft", 2)]  # compiled, sft keeps its first threads: all
     rlt = {"RLT": "1"}  # paper 004's comparison too: its students start beside sft
     assert plan(2, env=rlt)[0] == [("sft", 1), ("teacher", 1)]
     assert plan(8, env=rlt)[0] == [("sft", 3), ("teacher", 3), ("solver_student", 2)]  # all that is ready
@@ -206,3 +209,46 @@ def test_compile_pays_on_avx512_with_a_compiler(monkeypatch):
     assert harness.compile_pays("cpu") and harness.compile_pays("cuda")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     assert not harness.compile_pays("cpu")
+
+
+def test_the_path_probe_keeps_the_path_faster_for_the_pipelines_steps(tmp_path, monkeypatch, capsys):
+    """plumbing/machine.py: each candidate timed in alternating rounds after a warm-up, the precision
+    whose 1,000 SFT steps + 300 RL updates are the shorter kept, written for run_cpu.sh and said in
+    one line; a candidate 2x slower in the warm-up is not timed again; the user's setting wins."""
+    monkeypatch.delenv("COUNTDOWN_CPU_BF16", raising=False)
+    cost = {("sft", True): 0.5, ("sft", False): 0.3, ("rl", True): 1.0, ("rl", False): 2.0}
+    calls = []
+
+    def fake_step(model, frozen, ids, bf16):  # SFT faster in fp32, RL in bf16 (as on AMX, roughly)
+        kind = "rl" if frozen is not None else "sft"
+        calls.append((kind, bf16))
+        time.sleep(cost[kind, bf16] / 100)
+
+    monkeypatch.setattr(machine, "micro_step", fake_step)
+    out = tmp_path / "path.env"
+    machine.main(["--init", "tiny", "--cores", "2", "--out", str(out)])
+    line = capsys.readouterr().out
+    # bf16: 1000 * 0.02 + 300 * 0.04 = 32 s against fp32's 1000 * 0.012 + 300 * 0.08 = 36 s
+    assert out.read_text().endswith("export COUNTDOWN_CPU_BF16=1\n") and line.count("\n") == 1
+    assert "training forwards in bf16, the faster here" in line and "an SFT step 0.02 s in bf16, 0.01 s" in line
+    assert calls.count(("rl", False)) == calls.count(("rl", True)) >= 2  # both timed after the warm-up
+    cost.update({("sft", True): 5.0, ("rl", True): 10.0})  # emulated bf16: dropped after its warm-up
+    calls.clear()
+    machine.main(["--init", "tiny", "--cores", "2", "--out", str(out), "--rl_steps", "0"])
+    assert out.read_text().endswith("export COUNTDOWN_CPU_BF16=0\n") and "fp32, the faster" in capsys.readouterr().out
+    assert calls.count(("sft", True)) == 1 and calls.count(("sft", False)) >= 2
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")  # the user's choice: nothing is timed
+    monkeypatch.setattr(machine, "measure", None)
+    machine.main(["--init", "tiny", "--out", str(out)])
+    assert out.read_text().endswith("=1\n") and "as COUNTDOWN_CPU_BF16 says" in capsys.readouterr().out
+
+
+def test_the_path_probe_times_real_steps_within_its_budget():
+    """The probe's own steps on the tiny model (its shapes, its frozen twin): both precisions timed,
+    in a fraction of the ~30 s it may spend."""
+    model = load_model("tiny")[0].train()
+    t0 = time.time()
+    times = machine.measure(model, harness.frozen_copy(model), 2, 1, budget_s=0)
+    assert set(times) == {("sft", True), ("sft", False), ("rl", True), ("rl", False)}
+    assert all(t > 0 for t in times.values()) and time.time() - t0 < 30
+    assert all(p.grad is None for p in model.parameters())  # nothing left over for a real step

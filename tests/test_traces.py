@@ -168,3 +168,27 @@ def test_mistake_of_reads_a_models_text():
     assert TR.mistake_of("<answer>3 * 5 + 7 + 7</answer>", n, t) == "reuse"  # 7 twice
     assert TR.mistake_of("<answer>3 * 5 + 7 = 22</answer>", n, t) == "malformed"
     assert TR.mistake_of("<answer>3 * (5 + 7</answer>", n, t) == "malformed"
+
+
+def test_the_solver_on_ints_moves_as_on_fractions():
+    """verifier._moves' restricted fast path (ints, used by the traces) gives the moves, values and
+    order of the rule on Fractions: a non-negative integer result only."""
+    from fractions import Fraction
+    for x in range(0, 25):
+        for y in range(0, 25):
+            on_ints = V._moves((x, "a"), (y, "b"), True)
+            on_fractions = [m for m in V._moves((Fraction(x), "a"), (Fraction(y), "b"), False)
+                            if m[0] >= 0 and m[0].denominator == 1]
+            assert [(v, op, l[1], r[1]) for v, op, l, r in on_ints] == \
+                [(v, op, l[1], r[1]) for v, op, l, r in on_fractions]
+            assert all(type(m[0]) is int for m in on_ints)
+
+
+def test_the_reuse_mistake_is_the_same_with_the_solvable_check_first(problems, monkeypatch):
+    """_reuse asks the generator's cached check before searching a variant: the same mistakes, the
+    same rng stream, as searching every variant."""
+    four = V.generate_splits({"p": 100}, seed=3, num_numbers=(4,), num_range=(1, 30))["p"]
+    fast = [TR._reuse(p["nums"], p["target"], random.Random(i)) for i, p in enumerate(problems + four)]
+    monkeypatch.setattr(TR, "_solvable", lambda values, target: True)
+    slow = [TR._reuse(p["nums"], p["target"], random.Random(i)) for i, p in enumerate(problems + four)]
+    assert fast == slow and sum(x is not None for x in fast) > 100
