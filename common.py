@@ -413,13 +413,10 @@ def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, 
 def autocast(device, *models):
     """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
     AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
-    (cpu_bf16(); run_cpu.sh measures which is faster), with the `models` switched to eager
-    attention meanwhile: the CPU's fused attention is 4x slower in bf16 backward, while its eager
-    matmuls gain like the others (one SFT step 0.35 s fp32, 0.32 s bf16 fused, 0.20 s bf16 eager).
-    A model left out (OPD's teacher) keeps the fused one: with no backward it is the faster (0.95 s
-    against 1.7 for a GRPO batch), and it need not equal anything; a reference must equal the
-    policy at the start, so it is listed (one kernel, a KL of exactly 0). Without `models`, or on
-    another CPU, plain fp32: sampling is fastest that way here."""
+    (cpu_bf16(), measured by run_cpu.sh), with the `models` switched to eager attention: the fused
+    one is 4x slower in bf16 backward. A model left out (OPD's teacher) stays fused, faster with no
+    backward (0.95 s against 1.7); a reference is listed, to equal the policy (a KL of exactly 0).
+    Without `models`, or on another CPU, plain fp32: sampling is fastest that way here."""
     models = [m for m in models if m is not None
               ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
     before = [m.config._attn_implementation for m in models]
