@@ -4,7 +4,8 @@ update's GFLOP/s beside the cores' matmul rate at the model's own shapes. For th
 docs/studies/performance.md ("Where the time goes"); run it alone on the machine.
 
     OMP_NUM_THREADS=1 python benchmarks/step_profile.py --init out/cpu/sft --threads 1
-Shape: the pipeline's GRPO step, 32 prompts x 8 rollouts at T 0.7, 160 new tokens, micro-batch 64."""
+Shape: the pipeline's GRPO step, 32 prompts x 8 rollouts at T 0.7, 160 new tokens, micro-batch 32
+(--micro_batch 64: the pipeline's before; a CPU's cache favours 16-32)."""
 import argparse
 import os
 import statistics
@@ -22,6 +23,7 @@ p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--init", default="out/cpu/sft")
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--micro_batch", type=int, default=32)
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tok, device = load_policy(args.init)
@@ -41,7 +43,7 @@ def clock(name, r, fn):
 for r in range(args.rounds):
     samples = clock("sample", r, lambda: rollouts(sampler, model, tok, tasks, 8, "compact", 256,
                                                     0.7, 160, r))
-    batches = list(micro_batches(samples, 64, tok.pad_token_id, device))
+    batches = list(micro_batches(samples, args.micro_batch, tok.pad_token_id, device))
     tokens = sum(int(m.sum()) for _, _, _, m, _ in batches), sum(i.numel() for _, i, *_ in batches)
     for bf16 in ("1", "0"):
         os.environ["COUNTDOWN_CPU_BF16"] = bf16  # what common.autocast reads

@@ -2,7 +2,7 @@
 run_cpu.sh runs this once before its first stage. It times the pipeline's two kinds of training
 step on the model itself, in bf16 autocast and in fp32, interleaved, in ~15 s:
   an SFT step   4 micro-batches of 16 rows x 128 tokens, forward and backward, on every core;
-  an RL update  4 micro-batches of 64 rollouts x 150 tokens, forward and backward plus a frozen
+  an RL update  8 micro-batches of 32 rollouts x 150 tokens, forward and backward plus a frozen
                 model's forward (GRPO's reference, OPD's teacher), on a core: RL stages run side
                 by side, a core or so each,
 and keeps the precision that makes the pipeline's steps (1,000 SFT, 300 RL by default) the
@@ -25,7 +25,8 @@ import time
 
 import torch
 
-SFT_SHAPE, RL_SHAPE, MICRO = (16, 128), (64, 150), 4  # (rows, tokens) a micro-batch; per step
+SHAPES = {"sft": (16, 128), "rl": (32, 150)}  # (rows, tokens) a micro-batch, as run_cpu.sh's
+MICRO = {"sft": 4, "rl": 8}  # micro-batches a step: 64 SFT rows, 32 prompts x 8 rollouts
 
 
 def micro_step(model, frozen, ids, bf16):
@@ -48,7 +49,7 @@ def measure(model, frozen, cores, rl_threads, budget_s=20.0):
     many as `budget_s` allows, at least one. A candidate 2x slower than the other in the warm-up
     (bf16 where the CPU emulates it: 10x) is timed no more: it cannot win."""
     vocab = model.config.vocab_size
-    sft_ids, rl_ids = (torch.randint(vocab, shape) for shape in (SFT_SHAPE, RL_SHAPE))
+    sft_ids, rl_ids = (torch.randint(vocab, SHAPES[kind]) for kind in ("sft", "rl"))
     times, start, rounds, left = {}, time.perf_counter(), 0, [True, False]
     while rounds < 2 or (rounds < 5 and time.perf_counter() - start < budget_s / 2):
         for bf16 in left:
@@ -57,7 +58,7 @@ def measure(model, frozen, cores, rl_threads, budget_s=20.0):
                 torch.set_num_threads(threads)
                 t0 = time.perf_counter()
                 micro_step(model, other, ids, bf16)
-                seconds = MICRO * (time.perf_counter() - t0)
+                seconds = MICRO[kind] * (time.perf_counter() - t0)
                 times[kind, bf16] = [seconds] if rounds == 1 else times.get((kind, bf16), []) + [
                     seconds]  # the warm-up's time is kept only until round 1's
         if rounds == 0:
