@@ -73,7 +73,7 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # the training reward fell in every stage (docs/studies/arithmetic.md); here it climbs, and RL's selection is done by step 25.
 # 100 steps, not 50, chosen on val (issue 44): GRPO +0.035 ± 0.024, RLOO +0.037 ± 0.037 paired over 100 problems x 128
 # samples; the same rollouts as 16 prompts a step for 100 steps gave +0.002 (docs/studies/performance.md). Micro-batches of
-# 32 rollouts, not 64: the same loss (each adds its share of the step's), an update 1.2-1.4x faster on a CPU (its cache)
+# 32 rollouts, not 64: the same loss (each adds its share of the step's), an update 1.25-1.4x faster on a CPU (its cache)
 RL=(--lr 5e-5 --temperature 0.7 --batch_size 32 --micro_batch 32 --max_response_len 160 --max_steps 100 --eval_every 25
     --save_every 25 --wrong_reward 0 --no_answer_reward 0 --term_grads)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
