@@ -72,8 +72,9 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # cut short the better bet); chosen on val over both (docs/studies/strategies.md). lr 5e-5, not 2e-4 for 20 steps: at 2e-4
 # the training reward fell in every stage (docs/studies/arithmetic.md); here it climbs, and RL's selection is done by step 25.
 # 100 steps, not 50, chosen on val (issue 44): GRPO +0.035 ± 0.024, RLOO +0.037 ± 0.037 paired over 100 problems x 128
-# samples; the same rollouts as 16 prompts a step for 100 steps gave +0.002 (docs/studies/performance.md). Micro-batches of
-# 32 rollouts, not 64: the same loss (each adds its share of the step's), an update 1.25-1.4x faster on a CPU (its cache)
+# samples; the same rollouts as 16 prompts a step for 100 steps gave +0.002; at 75 steps GRPO's val lift was 0.03 lower
+# over five runs (docs/studies/performance.md). Micro-batches of 32 rollouts, not 64: the same loss (each adds its share
+# of the step's), an update 1.25-1.4x faster on a CPU (its cache)
 RL=(--lr 5e-5 --temperature 0.7 --batch_size 32 --micro_batch 32 --max_response_len 160 --max_steps 100 --eval_every 25
     --save_every 25 --wrong_reward 0 --no_answer_reward 0 --term_grads)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
@@ -140,11 +141,13 @@ base() {
 #    verdict; half the dead ends near misses, without which "found" means "close"), 30% working backward from the
 #    target, one subgoal a line (docs/studies/strategies.md). Then 63% of them get one mistake an LLM makes (sft.py
 #    --mistakes: a slip claimed as a hit, a number reused or left out, a give-up that answers its closest try, an
-#    answer written as an equation), so that RL has something to remove (docs/studies/unverified.md). 1,000 steps chosen
-#    on val (docs/studies/unverified.md). Not compiled unless COMPILE=1: the first compile (2-2.5 min) cost more than
-#    the compiled steps saved over 1,000 of them on both CPUs measured (docs/studies/performance.md)
+#    answer written as an equation), so that RL has something to remove (docs/studies/unverified.md). 700 steps at lr
+#    2e-3, chosen on val: the SFT model of 1,000 steps at 1e-3 (val pass@1 0.260-0.273 over five runs, eval loss 0.163) in
+#    30 % fewer steps (0.292-0.297, 0.162-0.163); 700 at 1e-3, or 32 traces a step, fell short (0.18-0.20;
+#    docs/studies/performance.md, "Less work"). Not compiled unless COMPILE=1: the first compile (2-2.5 min) cost more
+#    than the compiled steps saved over 1,000 of them on both CPUs measured (docs/studies/performance.md)
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
-SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 1e-3 --batch_size 64 --max_steps 1000 --eval_every 500
+SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 2e-3 --batch_size 64 --max_steps 700 --eval_every 350
      ${COMPILE:+--compile})
 sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
 #    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's

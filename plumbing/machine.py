@@ -5,12 +5,12 @@ step on the model itself, in bf16 autocast and in fp32, interleaved, in ~15 s:
   an RL update  8 micro-batches of 32 rollouts x 150 tokens, forward and backward plus a frozen
                 model's forward (GRPO's reference, OPD's teacher), on a core: RL stages run side
                 by side, a core or so each,
-and keeps the precision that makes the pipeline's steps (1,000 SFT, 300 RL by default) the
+and keeps the precision that makes the pipeline's steps (700 SFT, 300 RL by default) the
 shortest. Why measure: on a 2-core Intel Xeon with AMX, bf16 made the SFT step slower (0.638 s
 against fp32's 0.539) where the flags said bf16; on a 2-core AMD EPYC with AVX512-BF16 it made
 it faster (0.59 against 0.72; docs/studies/performance.md). Not probed, with reasons:
   torch.compile  its first compile takes 1.5-2 min, more than the probe's budget, and it did not
-                 pay back over the SFT stage's 1,000 steps on either CPU measured (COMPILE=1
+                 pay back over 1,000 SFT steps on either CPU measured (COMPILE=1
                  ./run_cpu.sh compiles the SFT stage anyway);
   sampling       fp32 on every CPU (common.autocast); its CPU loop is fast_decode's `dynamic`,
                  the only one that drops finished rows (`static` exists for CUDA graphs).
@@ -81,7 +81,7 @@ def main(argv=None):
     p.add_argument("--init", required=True, help="the pipeline's base model (its shapes are timed)")
     p.add_argument("--cores", type=int, default=torch.get_num_threads())
     p.add_argument("--out", required=True, help="the file run_cpu.sh sources")
-    p.add_argument("--sft_steps", type=int, default=1000)
+    p.add_argument("--sft_steps", type=int, default=700)
     p.add_argument("--rl_steps", type=int, default=300, help="RL updates of all RL stages")
     args = p.parse_args(argv)
     set_by_user = os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1")

@@ -31,7 +31,7 @@ RL_STAGES = ["rloo", "grpo", "opd", "opd_anticollapse", "opd_longer"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo's
 # README's Table 1: what each stage is, then its numbers from results.json (tests/test_docs.py
 # checks that README's table is this function's output for docs/results.json, digit for digit)
-WHAT = {"sft": "SFT from the base, 1,000 steps on the unverified traces",
+WHAT = {"sft": "SFT from the base, 700 steps on the unverified traces",
         "teacher": "SFT on the same traces verified, 2,000 steps (shipped)",
         "rloo": "RLOO from `sft`", "grpo": "GRPO from `sft`, KL β 0.04",
         "opd": "RLOO from `sft` + forward KL to `teacher`", "ipo": "IPO from `sft` on its own samples",

@@ -213,7 +213,7 @@ def test_compile_pays_on_avx512_with_a_compiler(monkeypatch):
 
 def test_the_path_probe_keeps_the_path_faster_for_the_pipelines_steps(tmp_path, monkeypatch, capsys):
     """plumbing/machine.py: each candidate timed in alternating rounds after a warm-up, the precision
-    whose 1,000 SFT steps + 300 RL updates are the shorter kept, written for run_cpu.sh and said in
+    whose 700 SFT steps + 300 RL updates are the shorter kept, written for run_cpu.sh and said in
     one line; a candidate 2x slower in the warm-up is not timed again; the user's setting wins."""
     monkeypatch.delenv("COUNTDOWN_CPU_BF16", raising=False)
     cost = {("sft", True): 0.5, ("sft", False): 0.3, ("rl", True): 1.0, ("rl", False): 2.0}
@@ -228,7 +228,7 @@ def test_the_path_probe_keeps_the_path_faster_for_the_pipelines_steps(tmp_path, 
     out = tmp_path / "path.env"
     machine.main(["--init", "tiny", "--cores", "2", "--out", str(out)])
     line = capsys.readouterr().out
-    # bf16: 1000 * 0.02 + 300 * 0.04 = 32 s against fp32's 1000 * 0.012 + 300 * 0.08 = 36 s
+    # bf16: 700 * 0.02 + 300 * 0.04 = 26 s against fp32's 700 * 0.012 + 300 * 0.08 = 32.4 s
     assert out.read_text().endswith("export COUNTDOWN_CPU_BF16=1\n") and line.count("\n") == 1
     assert "training forwards in bf16, the faster here" in line and "an SFT step 0.02 s in bf16, 0.01 s" in line
     assert calls.count(("rl", False)) == calls.count(("rl", True)) >= 2  # both timed after the warm-up
