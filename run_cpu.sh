@@ -152,8 +152,9 @@ SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 2e-3 --batch_size 64 
 sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
 #    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's
 #    verification gate (--verified: what the scorer rejects is dropped; 160 traces a step keep ~59, as many as the
-#    SFT stage trains on), twice the steps, its strategy mix chosen on val for what OPD learns from it (a teacher
-#    that works backward more is better alone and worse as a teacher: docs/studies/teachers.md). Like the base it is
+#    SFT stage trains on), 2,000 steps at lr 1e-3 (as it was built, when the SFT stage took 1,000 at that lr), its
+#    strategy mix chosen on val for what OPD learns from it (a teacher that works backward more is better alone and
+#    worse as a teacher: docs/studies/teachers.md). Like the base it is
 #    shipped (pretrained/tiny-teacher; 29 min on a core); --rebuild-teacher runs this command here instead.
 #    With RLT=1, then paper 004's baseline for RLT: a student SFT'd from the base on the teacher's own samples that the
 #    verifier accepts (rejection sampling: 4 samples of each of the first 2,000 training problems, RLT's problems),
@@ -163,7 +164,7 @@ STUDENT=(--init "$OUT/base" "${COMMON[@]}" --num_train 1800 --lr 2e-3 --batch_si
 teacher() {
   if [[ -n $REBUILD_TEACHER ]]; then
     [[ -f $OUT/teacher/wall_seconds && $(cat "$OUT/teacher/wall_seconds") == 0 ]] && rm -rf "$OUT/teacher"  # a copy
-    stage teacher python sft.py "${SFT[@]}" --verified --batch_size 160 --max_steps 2000 \
+    stage teacher python sft.py "${SFT[@]}" --verified --batch_size 160 --max_steps 2000 --lr 1e-3 --eval_every 500 \
       --strategies random:0.7,backward:0.3 --output_dir "$OUT/teacher"
   else
     if [[ -n $FORCE || ! -f $OUT/teacher/wall_seconds ]]; then
