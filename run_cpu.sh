@@ -144,7 +144,7 @@ base() {
 #    on val (docs/studies/unverified.md). Not compiled unless COMPILE=1: the first compile (2-2.5 min) cost more than
 #    the compiled steps saved over 1,000 of them on both CPUs measured (docs/studies/performance.md)
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
-SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 1e-3 --batch_size 64 --max_steps 1000 --eval_every 500
+SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 1e-3 --batch_size 64 --max_steps 700 --eval_every 350
      ${COMPILE:+--compile})
 sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
 #    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's
