@@ -7,8 +7,8 @@
 #       copying the shipped one (pretrained/tiny-base, this script's own base stage: stage 0 below);
 #       --rebuild-teacher likewise OPD's teacher (pretrained/tiny-teacher, stage 1's teacher command);
 #       --plan prints the order the stages would run in on this machine, and runs nothing
-#   Stages that do not need each other run side by side (plumbing/pipeline.py), as many as the machine has cores, sharing
-#   them; each stage's output goes to OUT_DIR/logs/NAME.log and a status line comes every 30 s (STATUS_EVERY).
+#   Stages that do not need each other run side by side (plumbing/pipeline.py), as many as the machine has cores (one
+#   more where nothing waits for them), sharing them; each stage's output goes to OUT_DIR/logs/NAME.log and a status line comes every 30 s (STATUS_EVERY).
 #   SERIAL=1 ./run_cpu.sh               one stage at a time, with every core
 #   CORES=4 ./run_cpu.sh                the cores to use (default: torch's count of physical cores, or OMP_NUM_THREADS)
 #   RLT=1 ./run_cpu.sh                  also paper 004's comparison: RLT's teacher and its student against two
@@ -258,8 +258,9 @@ opd_anticollapse() { stage opd_anticollapse python opd.py --init "$OUT/opd" "${O
 opd_longer() { stage opd_longer python opd.py --init "$OUT/opd" "${OPD[@]}" --max_steps 50 --output_dir "$OUT/opd_longer"; }
 
 # ---- The run. Each unit is a stage or stages in order, after the units it needs (NAME:NEEDS); plumbing/pipeline.py starts
-#      a unit when what it needs has finished, the longest chain first, up to one unit a core, and gives each
-#      running unit its share of the cores (a unit that ends hands its share on). It runs each as
+#      a unit when what it needs has finished, the longest chain first, up to one unit a core (one more where nothing
+#      waits for them: the RL stages), and gives each running unit its share of the cores (a unit that ends hands its
+#      share on). It runs each as
 #      `run_cpu.sh --unit NAME`, which lands here
 if [[ -n $UNIT ]]; then "$UNIT"; exit; fi
 # Paper 000's table by default, the teacher's test evaluation beside sft; with COMPILE=1 after it, so that the compiled

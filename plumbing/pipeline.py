@@ -1,11 +1,11 @@
 """run_cpu.sh's scheduler: the pipeline's units (a stage, or stages that must run in order) start as
 soon as the units they need have finished, the longest remaining chain first, as many at once as
-the machine has cores; the running units share the cores equally, and when one ends its share goes
-to the others (a training loop reads its thread count from a file once a step:
-flags.follow_threads). While they run, the console shows each unit's commands as they start, its
-test pass@1 when it is evaluated, a status line every --status_every seconds (each running stage,
-its step, its threads, the time since the start) and a failure the moment it happens, with its
-log's last lines. Stdlib only: run_cpu.sh calls it; `./run_cpu.sh --plan` prints its schedule.
+the machine has cores, and one more where nothing waits for any of them (start()); the running
+units share the cores equally, at least a thread each, and when one ends its share goes to the
+others (a training loop reads its thread count from a file once a step: flags.follow_threads).
+While they run, the console shows each unit's commands as they start, its test pass@1 when it is
+evaluated, a status line every --status_every seconds (each running stage, its step, its threads,
+the time since the start) and a failure the moment it happens, with its log's last lines. Stdlib only: run_cpu.sh calls it; `./run_cpu.sh --plan` prints its schedule.
 
   python -m plumbing.pipeline --out OUT --cores 2 --command "bash run_cpu.sh --unit {} OUT" \
       sft teacher rloo:sft
@@ -68,6 +68,22 @@ def ready(units, done, started, ranks, blocked=()):
                    and all(d in done for d in units[u])), key=lambda u: -ranks[u])
 
 
+def start(units, ready_units, running, cores, max_running):
+    """Which of the ready units (best first) to start beside the `running` ones: up to max_running
+    in all, and on 2+ cores one more where it and every running unit are units nothing waits for
+    (the RL stages after sft). A stage alone on two threads is only ~1.3x faster than on one (its
+    sampling, a token at a time, gains 1.13x), so the last of them would run alone, its cores half
+    idle; a third time-sharing two cores keeps both at work to the end (docs/studies/performance.md).
+    Time-sharing slows every unit that shares, so a unit others wait for never does."""
+    new = list(ready_units[:max(0, max_running - len(running))])
+    waited_for = {d for deps in units.values() for d in deps}
+    extra = ready_units[len(new):len(new) + 1]
+    if (cores > 1 and max_running == cores and len(running) + len(new) == cores and extra
+            and not waited_for & {*running, *new, *extra}):
+        new += extra
+    return new
+
+
 def blocked_by(units, failed):
     """Every unit that waits, directly or not, for a failed one."""
     out = set()
@@ -79,14 +95,16 @@ def blocked_by(units, failed):
 
 def plan(units, cores, max_running):
     """The schedule if each unit takes its COST on one thread and 2^0.63 = 1.55x less on two (the
-    SFT step's measured gain, issue 44): [(start s, unit, threads)], end s."""
+    SFT step's measured gain, issue 44), and units beyond the cores time-share them: [(start s,
+    unit, threads)], end s."""
     ranks, t, left, done, out = rank(units), 0.0, {}, set(), []
     while len(done) < len(units):
-        new = ready(units, done, set(done) | set(left), ranks)[:max_running - len(left)]
+        new = start(units, ready(units, done, set(done) | set(left), ranks), left, cores, max_running)
         left.update({u: float(COST.get(u, 600)) for u in new})  # one-thread seconds of work left
         out += [(t, u, shares(cores, len(left))[len(left) - len(new) + i])
                 for i, u in enumerate(new)]
-        speed = {u: n ** 0.63 for u, n in zip(left, shares(cores, len(left)))}
+        busy = min(1.0, cores / len(left))  # more units than cores: each runs part of the time
+        speed = {u: busy * n ** 0.63 for u, n in zip(left, shares(cores, len(left)))}
         first = min(left, key=lambda u: left[u] / speed[u])
         dt = left[first] / speed[first]
         t += dt
@@ -177,8 +195,8 @@ def run(units, cores, max_running, cmd, out, status_every):
                     say("".join(f.readlines()[-15:]).rstrip())
             except OSError:
                 pass
-        new = ready(units, done, set(running) | done | set(failed), ranks,
-                    blocked_by(units, failed))[:max_running - len(running)]
+        new = start(units, ready(units, done, set(running) | done | set(failed), ranks,
+                                 blocked_by(units, failed)), running, cores, max_running)
         share = shares(cores, len(running) + len(new)) if running or new else []
         for u, n in zip(running.values(), share):
             if u.threads != n:
@@ -218,7 +236,8 @@ def main(argv=None):
     max_running = 1 if args.serial else args.cores
     if args.plan:
         steps, end = plan(units, args.cores, max_running)
-        print(f"{args.cores} cores, {max_running} stage{'s' * (max_running > 1)} at most at once "
+        extra = " (one more where nothing waits for them)" if max_running > 1 else ""
+        print(f"{args.cores} cores, {max_running} stage{'s' * (max_running > 1)} at once{extra} "
               "(times: one fp32 run's, to order the units)")
         for t, u, n in steps:
             print(f"  {clock(t):>6}  {u} starts on {n} thread{'s' * (n > 1)}")

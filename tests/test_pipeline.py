@@ -52,6 +52,30 @@ def test_more_cores_run_more_stages_at_once_and_serial_gives_one_all():
     assert not os.path.exists("/nonexistent/out")  # --plan runs nothing
 
 
+def test_one_stage_more_than_cores_runs_at_once_so_no_stage_runs_alone_while_others_wait():
+    """On 2 cores the three RL stages that need only sft start together on a thread each (a stage
+    alone on two threads is only ~1.3x faster: the third keeps both cores busy), but never beside a
+    unit others wait for (sft, RLT=1's teacher stages); on one core, one stage at a time. Broken on
+    purpose: one unit a core again (grpo and opd started at 14:56, rloo at 39:06), the rule without
+    its waited-for check (RLT=1's solver_student started beside sft), and without its count (a
+    fourth unit started a second after the third, in a real run): each failed."""
+    first, lines = plan(2)
+    starts = {x.split()[1]: x.split()[0] for x in lines if " starts on " in x}
+    assert starts["grpo"] == starts["opd"] == starts["rloo"] != starts["ipo"], lines
+    assert all(" starts on 1 thread" in x for x in lines if x.split()[1:2] in (["grpo"], ["opd"], ["rloo"]))
+    assert plan(2, env={"RLT": "1"})[0] == [("sft", 1), ("teacher", 1)]  # sft is waited for
+    units = pipeline.parse_units(UNITS)  # the scheduler asks every second: never a fourth
+    assert pipeline.start(units, ["grpo", "opd", "rloo", "ipo"], {}, 2, 2) == ["grpo", "opd", "rloo"]
+    assert pipeline.start(units, ["ipo"], {"grpo": 0, "opd": 0, "rloo": 0}, 2, 2) == []
+    assert pipeline.start(units, ["ipo"], {"grpo": 0, "opd": 0}, 2, 2) == ["ipo"]
+    one = plan(1)[1]
+    assert one[0].startswith("1 cores, 1 stage at once") and len({x.split()[0] for x in one[1:-1]}) == 6
+    # the plan's clock: three units time-share two cores, none runs faster than on a core of its own
+    steps, end = pipeline.plan(pipeline.parse_units(UNITS), 2, 2)
+    work_after_sft = sum(pipeline.COST[u] for u in ("grpo", "opd", "rloo", "ipo"))
+    assert end >= pipeline.COST["sft"] / 2 ** 0.63 + work_after_sft / 2
+
+
 def test_a_users_omp_num_threads_is_the_core_count():
     env = {k: v for k, v in os.environ.items() if k != "CORES"}
     r = subprocess.run(["bash", "run_cpu.sh", "--plan", "/nonexistent/out"], cwd=ROOT, capture_output=True,
