@@ -21,6 +21,7 @@ from plumbing import fast_decode
 from plumbing.checkpoints import plain_weights
 from plumbing.flags import CountdownError
 from plumbing.models import trains_in_bf16
+from plumbing.shared_prompts import Prompts  # noqa: F401  token_stats' fast twin, for the scripts
 from plumbing.tasks import make_prompt, solve_rates
 from verifier import dense_score, score
 
@@ -512,7 +513,7 @@ def causal_only(attention_mask):
 
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
                 teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None,
-                kd_reverse=False):
+                kd_reverse=False, prompts=None):
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
     `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
     (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
@@ -523,10 +524,11 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).
     `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
     positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
-    with the chunk, not B x T x V, in forward and (checkpointed) backward."""
+    with the chunk, not B x T x V, in forward and (checkpointed) backward. `prompts`: the decoder's
+    fast twin for RL rollouts, each prompt's forward shared by its G rollouts (Prompts.of)."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
-    hidden = model.get_decoder()(input_ids=input_ids,
-                                 attention_mask=causal_only(attention_mask)).last_hidden_state
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=causal_only(attention_mask)
+                                 ).last_hidden_state if prompts is None else prompts(input_ids, mask)
     h = hidden[:, :-1][sel]                                                              # (N, H)
     targets = input_ids[:, 1:][sel]                                                      # (N,)
     if torch.is_tensor(temperature):  # one per row (grpo's --adaptive_temperature)

@@ -31,8 +31,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, k3_kl, make_sampler, micro_batches, mix_reference, probe,
-                    rollouts, score_rollouts, token_stats)
+from common import (Prompts, autocast, k3_kl, make_sampler, micro_batches, mix_reference,
+                    probe, rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
                             parse_args, seed_everything)
@@ -198,6 +198,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
+    share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     # π_ref: the frozen init
     ref = frozen_copy(model) if args.beta > 0 else None
     tasks = load_tasks(args.data, "train")
@@ -235,16 +236,23 @@ def main(argv=None):
         agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=n_tok,
                       max_len=args.max_response_len)  # (b, T-1), (b, T-1) -> share of L
         stats, ref_logps, old_logps = run.stats(B * G, n_tok), {}, {}
+        shared = share and not stats.diagnose  # --prompt_forward: each prompt's forward once
+        with autocast(device, model, ref), torch.no_grad():
+            ref_prompts = Prompts(ref, samples.prompt_ids, G, shared and ref is not None)
         for it in range(args.num_iterations):
+            with autocast(device, model, ref):  # the prompts through the policy as it is now
+                prompts = Prompts(model, samples.prompt_ids, G, shared)
             for i, (rows, ids, attn, mask, sampler_logp) in enumerate(micro_batches(
                     samples, args.micro_batch, tok.pad_token_id, device)):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
                 with autocast(device, model, ref):
                     T_mb = T_rows[rows] if T_easy_hard else T_rows  # the rollouts' temperatures
-                    out = token_stats(model, ids, attn, mask, T_mb, entropy="logged")
+                    out = token_stats(model, ids, attn, mask, T_mb, entropy="logged",
+                                      prompts=prompts.of(rows))
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
-                            ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb)["logp"]
+                            ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb,
+                                                       prompts=ref_prompts.of(rows))["logp"]
                 # π_old: this forward on the first pass, before any update (departure 1)
                 old_logp = old_logps.setdefault(i, out["logp"].detach())
                 tis = tis_weight(old_logp, sampler_logp, args.tis_cap)  # 1 unless --tis_cap
@@ -263,6 +271,7 @@ def main(argv=None):
                 stats.max("ratio_max", info["ratio"] * m)
                 if it == 0:
                     stats.sampler_gap(out["logp"], sampler_logp, m)
+            prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
             # ---- the update: clip, the non-finite stop, step (num_iterations of them) ----
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)

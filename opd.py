@@ -33,8 +33,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, make_sampler, micro_batches, rollouts, score_rollouts,
-                    token_stats)
+from common import (Prompts, autocast, behavior_logp, make_sampler, micro_batches, rollouts,
+                    score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
                             parse_args, seed_everything)
@@ -130,6 +130,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
+    share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
@@ -153,13 +154,15 @@ def main(argv=None):
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
+        with autocast(device, model):  # --prompt_forward shared: the prompts through the student
+            prompts = Prompts(model, samples.prompt_ids, G, share and not stats.diagnose)
         for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
                                                                  tok.pad_token_id, device):
             # logp, entropy at the rollout T, the KL at kd_temperature
             with autocast(device, model):  # the teacher keeps its fused attention (common.autocast)
                 out = token_stats(model, ids, attn, mask, temperature=args.temperature,
                                   entropy=True, teacher=teacher, kd_temperature=args.kd_temperature,
-                                  kd_reverse=args.kd_loss == "reverse")
+                                  kd_reverse=args.kd_loss == "reverse", prompts=prompts.of(rows))
             m = mask[:, 1:].float()                                                    # (b, T-1)
             old_logp = behavior_logp(args.mu, out["logp"], sampler_logp)  # μ: --mu
             loss, info = opd_loss(out["logp"], old_logp, out["kl"], out["entropy"], m,
@@ -176,6 +179,7 @@ def main(argv=None):
             stats.token_mean("entropy", out["entropy"], m)
             stats.max("is_weight_raw_max", info["is_weight_raw"])
             stats.sampler_gap(out["logp"], sampler_logp, m)
+        prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
         # ---- the update: clip, the non-finite stop, step ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)

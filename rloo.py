@@ -27,8 +27,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, k3_kl, make_sampler, micro_batches, probe,
-                    rollouts, score_rollouts, token_stats)
+from common import (Prompts, autocast, behavior_logp, k3_kl, make_sampler, micro_batches,
+                    probe, rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
 from plumbing.harness import Run, load_policy, prepare_run, rollout_metrics, step_seed, warmup_lr
@@ -128,6 +128,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
+    share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
@@ -157,10 +158,13 @@ def main(argv=None):
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
+        with autocast(device, model):  # --prompt_forward shared: the prompts through the model
+            prompts = Prompts(model, samples.prompt_ids, G, share and not stats.diagnose)
         for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
                                                                  tok.pad_token_id, device):
             with autocast(device, model):
-                out = token_stats(model, ids, attn, mask, args.temperature, entropy=True)  # at T
+                out = token_stats(model, ids, attn, mask, args.temperature, entropy=True,
+                                  prompts=prompts.of(rows))  # at T
             m = mask[:, 1:].float()                                                    # (b, T-1)
             old_logp = behavior_logp(args.mu, out["logp"], sampler_logp)  # μ: --mu
             loss, info = rloo_loss(out["logp"], old_logp, out["entropy"], m, adv[rows].to(device),
@@ -177,6 +181,7 @@ def main(argv=None):
             stats.token_mean("kl", info["kl"], m)
             stats.max("is_weight_raw_max", info["is_weight_raw"])
             stats.sampler_gap(out["logp"], sampler_logp, m)
+        prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
         # ---- the update: clip, the non-finite stop, step ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)

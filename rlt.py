@@ -38,7 +38,8 @@ from functools import partial
 
 import torch
 
-from common import autocast, k3_kl, make_sampler, micro_batches, mix_reference, token_stats
+from common import (Prompts, autocast, k3_kl, make_sampler, micro_batches, mix_reference,
+                    token_stats)
 from plumbing.explanations import (balanced, export_traces, measure_balance, next_solved,
                                    rlt_tasks, solved)
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
@@ -253,6 +254,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
+    share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
     ref = frozen_copy(model) if args.beta > 0 else None  # π_ref
     tasks, eval_tasks = rlt_tasks(args.data, args.eval_data, args.eval_problems,  # eval: solved
@@ -290,15 +292,21 @@ def main(argv=None):
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
         # ---- log-probs and loss, per micro-batch of rollouts ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
+        shared = share and not stats.diagnose  # --prompt_forward: each prompt's forward once
+        with autocast(device, model, ref):
+            prompts = Prompts(model, samples.prompt_ids, G, shared)
+            with torch.no_grad():
+                ref_prompts = Prompts(ref, samples.prompt_ids, G, shared and ref is not None)
         for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
                                                                  tok.pad_token_id, device):
             m = mask[:, 1:].float()                                                    # (b, T-1)
             with autocast(device, model, ref):
                 # at the rollouts' T
-                out = token_stats(model, ids, attn, mask, args.temperature, entropy="logged")
+                out = token_stats(model, ids, attn, mask, args.temperature, entropy="logged",
+                                  prompts=prompts.of(rows))
                 with torch.no_grad():
-                    ref_logp = None if ref is None else \
-                        token_stats(ref, ids, attn, mask, temperature=args.temperature)["logp"]
+                    ref_logp = None if ref is None else token_stats(
+                        ref, ids, attn, mask, args.temperature, prompts=ref_prompts.of(rows))["logp"]
             old_logp = out["logp"].detach()  # π_old: the trainer's forward (grpo.py, departure 1)
             loss, info = rlt_loss(out["logp"], old_logp, ref_logp, m, adv[rows].to(device),
                                   args.beta, args.epsilon, args.kl_ratio)
@@ -310,6 +318,7 @@ def main(argv=None):
             stats.token_mean("entropy", out["entropy"], m)
             stats.token_mean("kl", info["kl"], m)
             stats.sampler_gap(out["logp"], sampler_logp, m)
+        prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
         # ---- the update: clip, the non-finite stop, step; then the reference's sync ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)

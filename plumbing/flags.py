@@ -113,8 +113,22 @@ class RLArgs(TrainArgs):
                                   "graph kept for them: a walkthrough RLOO step peaked at 60 GB on an H100 "
                                   "with it, 36 without (docs/gpu.md)")
 
+    prompt_forward: str = arg("auto", "the update's forward: shared (each prompt's tokens once a "
+                                      "step for its G rollouts, plumbing/shared_prompts.py; auto "
+                                      "on a CPU) | per_row (transformers' forward of every row "
+                                      "whole; auto on a GPU and with --gradient_checkpointing)")
+
     def run_options(self, output_dir):
         return {**super().run_options(output_dir), "term_grads": self.term_grads}
+
+    def shares_prompts(self, model):
+        """--prompt_forward resolved for `model`. A step with --term_grads' diagnostics runs per
+        row: each term's gradient is taken to the weights, past the prompts' shared part."""
+        check_choice("prompt_forward", self.prompt_forward, ("auto", "shared", "per_row"))
+        if self.prompt_forward == "auto":  # its eager scores are held for backward: short rows
+            return (next(model.parameters()).device.type == "cpu" and not self.gradient_checkpointing
+                    and model.config.model_type in ("qwen2", "llama"))  # shared_prompts.py's
+        return self.prompt_forward == "shared"
 
 
 def check_choice(flag, value, choices):

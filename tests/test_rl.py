@@ -206,8 +206,11 @@ def test_fixed_seed_is_deterministic_on_cpu(module, tiny_ckpt, tmp_path):
 def test_a_step_is_the_same_in_any_micro_batches(module, tiny_ckpt, tmp_path, monkeypatch):
     """run_cpu.sh sizes --micro_batch for speed (32 rollouts, not 64: a CPU update 1.25-1.4x faster),
     which is free only if each micro-batch adds its share of the step's loss, divided by the whole
-    step's counts: one step in micro-batches of 1 and of all 6 rollouts logs one loss and gradient.
-    Rewards 0, 1, 0, ... (a random model earns none), so that every term pulls."""
+    step's counts: one step in micro-batches of 1 and of all 6 rollouts logs one loss and gradient,
+    with each prompt's forward shared by its rollouts (a CPU's default) or every row whole.
+    Rewards 0, 1, 0, ... (a random model earns none), so that every term pulls. Broken on purpose
+    (each script without its `prompts.backward()`): the shared steps' grad_norm moved, and this
+    failed for each script."""
     def alternating(*args, **kwargs):
         scores, reward = S.score_rollouts(*args, **kwargs)
         return scores, torch.arange(reward.numel()).remainder(2).float().view_as(reward)
@@ -215,14 +218,48 @@ def test_a_step_is_the_same_in_any_micro_batches(module, tiny_ckpt, tmp_path, mo
     flags = dict(zip(FAST[1::2], FAST[2::2]), **{"--max_steps": "1"})
     teacher = ["--teacher", tiny_ckpt] if module is opd else []
     rows = []
-    for size in ("1", "6"):
-        flags["--micro_batch"] = size
+    for size, forward in (("1", "per_row"), ("6", "per_row"), ("1", "shared"), ("6", "shared")):
+        flags["--micro_batch"], flags["--prompt_forward"] = size, forward
         module.main(["--init", tiny_ckpt, *teacher, *(x for kv in flags.items() for x in kv),
-                     "--output_dir", str(tmp_path / size)])
-        rows.append(json.loads(open(tmp_path / size / "metrics.jsonl").readlines()[-1]))
+                     "--output_dir", str(tmp_path / (size + forward))])
+        rows.append(json.loads(open(tmp_path / (size + forward) / "metrics.jsonl").readlines()[-1]))
     assert rows[0]["train/grad_norm"] > 0
-    for key in ("train/loss", "train/grad_norm"):
-        assert rows[0][key] == pytest.approx(rows[1][key], rel=2e-4, abs=1e-6), key  # fp32 sums, other orders
+    for a, b in (rows[:2], rows[2:]):  # the same forward in other micro-batches: fp32 sums, other orders
+        for key in ("train/loss", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=2e-4, abs=1e-6), key
+    # the two forwards: in bf16 they round apart (the loss, a sum of terms cancelling to ~0.1, by more)
+    rel = 1e-2 if M.trains_in_bf16("cpu") else 2e-4
+    assert rows[2]["train/grad_norm"] == pytest.approx(rows[0]["train/grad_norm"], rel=rel)
+
+
+def test_the_shared_prompt_forward_is_the_per_row_forward(tiny_ckpt):
+    """plumbing/shared_prompts.py, the RL updates' forward on a CPU, against transformers' forward of
+    every row whole (the same model, fp32): each rollout's log-probs and entropy, and the weights'
+    gradient, the prompts' share of it (Prompts.backward) included. Prompts of 4-12 tokens, rollouts
+    of 1-9, in micro-batches that mix prompts. Broken on purpose, each failed: the rollouts' RoPE
+    positions one further on, the prompts' padding not masked, Prompts.backward() doing nothing."""
+    from plumbing.shared_prompts import Prompts
+    model, tok = M.load_model(tiny_ckpt)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (7, 12, 4)]
+    completions = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (5, 1, 9, 3, 8, 2, 6, 4, 7)]
+    samples = S.Rollouts(prompts, completions, [[0.0] * len(c) for c in completions], [""] * 9, [True] * 9)
+
+    def step(shared):
+        model.zero_grad()
+        shared_prompts, out = Prompts(model, prompts, 3, shared), []
+        for rows, ids, attn, mask, _ in S.micro_batches(samples, 4, tok.pad_token_id, "cpu"):
+            stats = S.token_stats(model, ids, attn, mask, 0.7, entropy=True, prompts=shared_prompts.of(rows))
+            ((stats["logp"] + 0.3 * stats["entropy"]) * mask[:, 1:]).sum().backward()
+            out.append(torch.cat([stats["logp"], stats["entropy"]]).detach())
+        shared_prompts.backward()
+        return out, [p.grad.clone() for p in model.parameters()]
+    (per_row, g_per_row), (shared, g_shared) = step(False), step(True)
+    for a, b in zip(per_row, shared):
+        assert torch.allclose(a, b, atol=2e-5), (a - b).abs().max()
+    assert sum(g.abs().sum() for g in g_per_row) > 0
+    for a, b in zip(g_per_row, g_shared):  # fp32 sums in other orders
+        assert (a - b).norm() <= 1e-4 * a.norm() + 1e-7, ((a - b).norm(), a.norm())
 
 
 @pytest.mark.parametrize("module", [rloo, grpo])
