@@ -8,7 +8,8 @@
 #       --rebuild-teacher likewise OPD's teacher (pretrained/tiny-teacher, stage 1's teacher command);
 #       --plan prints the order the stages would run in on this machine, and runs nothing
 #   Stages that do not need each other run side by side (plumbing/pipeline.py), as many as the machine has cores (one
-#   more where nothing waits for them), sharing them; each stage's output goes to OUT_DIR/logs/NAME.log and a status line comes every 30 s (STATUS_EVERY).
+#   more where nothing waits for them), sharing them; each stage's output goes to OUT_DIR/logs/NAME.log and a status
+#   line comes every 30 s (STATUS_EVERY).
 #   SERIAL=1 ./run_cpu.sh               one stage at a time, with every core
 #   CORES=4 ./run_cpu.sh                the cores to use (default: torch's count of physical cores, or OMP_NUM_THREADS)
 #   RLT=1 ./run_cpu.sh                  also paper 004's comparison: RLT's teacher and its student against two
