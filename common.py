@@ -528,7 +528,7 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     fast twin for RL rollouts, each prompt's forward shared by its G rollouts (Prompts.of)."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=causal_only(attention_mask)
-                                 ).last_hidden_state if prompts is None else prompts(input_ids, mask)
+                                 ).last_hidden_state if prompts is None else prompts(input_ids)
     h = hidden[:, :-1][sel]                                                              # (N, H)
     targets = input_ids[:, 1:][sel]                                                      # (N,)
     if torch.is_tensor(temperature):  # one per row (grpo's --adaptive_temperature)

@@ -44,16 +44,16 @@ class Prompts:
             pos >= self.lens[:, None], float("-inf"))
 
     def of(self, rows):
-        """token_stats' `prompts` for a micro-batch of rollouts `rows`: hidden(·, ·, which)."""
+        """token_stats' `prompts` for a micro-batch of rollouts `rows`: hidden(·, which)."""
         if not self.on:
             return None
         which = torch.tensor(rows, device=self.lens.device) // self.G  # (b,) each row's prompt
-        return lambda input_ids, mask: self.hidden(input_ids, mask, which)
+        return lambda input_ids: self.hidden(input_ids, which)
 
-    def hidden(self, input_ids, mask, which):
+    def hidden(self, input_ids, which):
         """decoder(input_ids).last_hidden_state (b, T, D) at every position that predicts a rollout
         token (the others hold a neighbour's): input_ids (b, T) prompt then rollout, right-padded,
-        as common.pack builds them; mask (b, T) 1 at the rollout; which (b,) each row's prompt."""
+        as common.pack builds them; which (b,) each row's prompt."""
         b, T = input_ids.shape
         start = self.lens[which]  # (b,) where each row's last prompt token is
         Ts = T - int(start.min())
