@@ -513,7 +513,7 @@ def causal_only(attention_mask):
 
 def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
                 teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None,
-                kd_reverse=False, prompts=None):
+                kd_reverse=False, prompts=None, teacher_prompts=None):
     """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
     `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
     (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
@@ -524,8 +524,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).
     `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
     positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
-    with the chunk, not B x T x V, in forward and (checkpointed) backward. `prompts`: the decoder's
-    fast twin for RL rollouts, each prompt's forward shared by its G rollouts (Prompts.of)."""
+    with the chunk, not B x T x V, in forward and (checkpointed) backward. `prompts`, `teacher_prompts`:
+    the decoders' fast twin for RL rollouts, each prompt's forward shared by its G rollouts (Prompts.of)."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=causal_only(attention_mask)
                                  ).last_hidden_state if prompts is None else prompts(input_ids)
@@ -538,8 +538,8 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     if teacher is not None:
         with torch.no_grad():
             t_ids, t_attn = teacher_inputs or (input_ids, attention_mask)
-            t_h = teacher.base_model(input_ids=t_ids, attention_mask=causal_only(t_attn)
-                                     ).last_hidden_state[:, :-1][sel]
+            t_h = (teacher_prompts(t_ids) if teacher_prompts else teacher.base_model(
+                input_ids=t_ids, attention_mask=causal_only(t_attn)).last_hidden_state)[:, :-1][sel]
             t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
     chunk_size = chunk_size or max(1, 2**26 // weight.shape[0])
     # one chunk: nothing to save by recomputing

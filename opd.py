@@ -132,6 +132,7 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options())
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
+    share_teacher = share and args.shares_prompts(teacher)  # and the teacher's
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
@@ -156,13 +157,16 @@ def main(argv=None):
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
         with autocast(device, model):  # --prompt_forward shared: the prompts through the student
             prompts = Prompts(model, samples.prompt_ids, G, share and not stats.diagnose)
+            with torch.no_grad():  # and the teacher, fused in bf16 too: it has no backward
+                teacher_prompts = Prompts(teacher, samples.prompt_ids, G, share_teacher, fused=True)
         for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
                                                                  tok.pad_token_id, device):
             # logp, entropy at the rollout T, the KL at kd_temperature
             with autocast(device, model):  # the teacher keeps its fused attention (common.autocast)
                 out = token_stats(model, ids, attn, mask, temperature=args.temperature,
                                   entropy=True, teacher=teacher, kd_temperature=args.kd_temperature,
-                                  kd_reverse=args.kd_loss == "reverse", prompts=prompts.of(rows))
+                                  kd_reverse=args.kd_loss == "reverse", prompts=prompts.of(rows),
+                                  teacher_prompts=teacher_prompts.of(rows))
             m = mask[:, 1:].float()                                                    # (b, T-1)
             old_logp = behavior_logp(args.mu, out["logp"], sampler_logp)  # μ: --mu
             loss, info = opd_loss(out["logp"], old_logp, out["kl"], out["entropy"], m,

@@ -234,13 +234,20 @@ def test_a_step_is_the_same_in_any_micro_batches(module, tiny_ckpt, tmp_path, mo
 
 def test_the_shared_prompt_forward_is_the_per_row_forward(tiny_ckpt):
     """plumbing/shared_prompts.py, the RL updates' forward on a CPU, against transformers' forward of
-    every row whole (the same model, fp32): each rollout's log-probs and entropy, and the weights'
-    gradient, the prompts' share of it (Prompts.backward) included. Prompts of 4-12 tokens, rollouts
-    of 1-9, in micro-batches that mix prompts. Broken on purpose, each failed: the rollouts' RoPE
-    positions one further on, the prompts' padding not masked, Prompts.backward() doing nothing."""
-    from plumbing.shared_prompts import Prompts
+    every row whole (the same model, fp32): each rollout's log-probs, entropy and KL to a teacher (OPD's,
+    its prompts shared too), and the weights' gradient, the prompts' share of it (Prompts.backward)
+    included. Prompts of 4-12 tokens, rollouts
+    of 1-9, in micro-batches that mix prompts; and its two attentions, fused (fp32's) and eager (bf16
+    autocast's), on the same rows. Broken on purpose, each failed: the rollouts' RoPE positions one
+    further on, the prompts' padding not masked, Prompts.backward() doing nothing, the fused mask
+    flipped, the eager one without the prompts' padding, the teacher's prompts one group off."""
+    from plumbing.shared_prompts import Prompts, layers
     model, tok = M.load_model(tiny_ckpt)
+    teacher, _ = M.load_model(tiny_ckpt)
     gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # another model, so that the KL is not 0
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
     prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (7, 12, 4)]
     completions = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (5, 1, 9, 3, 8, 2, 6, 4, 7)]
     samples = S.Rollouts(prompts, completions, [[0.0] * len(c) for c in completions], [""] * 9, [True] * 9)
@@ -248,10 +255,14 @@ def test_the_shared_prompt_forward_is_the_per_row_forward(tiny_ckpt):
     def step(shared):
         model.zero_grad()
         shared_prompts, out = Prompts(model, prompts, 3, shared), []
+        with torch.no_grad():
+            teacher_prompts = Prompts(teacher, prompts, 3, shared, fused=True)
         for rows, ids, attn, mask, _ in S.micro_batches(samples, 4, tok.pad_token_id, "cpu"):
-            stats = S.token_stats(model, ids, attn, mask, 0.7, entropy=True, prompts=shared_prompts.of(rows))
-            ((stats["logp"] + 0.3 * stats["entropy"]) * mask[:, 1:]).sum().backward()
-            out.append(torch.cat([stats["logp"], stats["entropy"]]).detach())
+            stats = S.token_stats(model, ids, attn, mask, 0.7, entropy=True, teacher=teacher,
+                                  prompts=shared_prompts.of(rows), teacher_prompts=teacher_prompts.of(rows))
+            ((stats["logp"] + 0.3 * stats["entropy"] + stats["kl"]) * mask[:, 1:]).sum().backward()
+            out.append(torch.cat([stats["logp"], stats["entropy"], stats["kl"]]).detach())
+            assert stats["kl"].sum() > 0.1
         shared_prompts.backward()
         return out, [p.grad.clone() for p in model.parameters()]
     (per_row, g_per_row), (shared, g_shared) = step(False), step(True)
@@ -260,6 +271,14 @@ def test_the_shared_prompt_forward_is_the_per_row_forward(tiny_ckpt):
     assert sum(g.abs().sum() for g in g_per_row) > 0
     for a, b in zip(g_per_row, g_shared):  # fp32 sums in other orders
         assert (a - b).norm() <= 1e-4 * a.norm() + 1e-7, ((a - b).norm(), a.norm())
+    shared_prompts, which = Prompts(model, prompts, 3), torch.tensor([0, 1, 2, 2])  # padded, or not
+    ids = torch.randint(5, 300, (4, 6), generator=gen)
+    pos = shared_prompts.lens[which][:, None] + torch.arange(6)                                  # (4, 6)
+    past = [(k[which], v[which]) for k, v in shared_prompts.kv]
+    with torch.no_grad():
+        fused, eager = (layers(model.get_decoder(), ids, pos, shared_prompts.bias[which], past, fused=f)[0]
+                        for f in (True, False))
+    assert torch.allclose(fused, eager, atol=1e-5), (fused - eager).abs().max()
 
 
 @pytest.mark.parametrize("module", [rloo, grpo])
