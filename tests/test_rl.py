@@ -236,9 +236,8 @@ def test_the_shared_prompt_forward_is_the_per_row_forward(tiny_ckpt):
     """plumbing/shared_prompts.py, the RL updates' forward on a CPU, against transformers' forward of
     every row whole (the same model, fp32): each rollout's log-probs, entropy and KL to a teacher (OPD's,
     its prompts shared too), and the weights' gradient, the prompts' share of it (Prompts.backward)
-    included. Prompts of 4-12 tokens, rollouts
-    of 1-9, in micro-batches that mix prompts; and its two attentions, fused (fp32's) and eager (bf16
-    autocast's), on the same rows. Broken on purpose, each failed: the rollouts' RoPE positions one
+    included. Prompts of 4-12 tokens, rollouts of 1-9, in micro-batches that mix prompts; and its two
+    attentions, fused (fp32's) and eager (bf16 autocast's), on the same rows. Broken on purpose, each failed: the rollouts' RoPE positions one
     further on, the prompts' padding not masked, Prompts.backward() doing nothing, the fused mask
     flipped, the eager one without the prompts' padding, the teacher's prompts one group off."""
     from plumbing.shared_prompts import Prompts, layers
