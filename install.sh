@@ -35,10 +35,16 @@ elif [[ $(uname -s) == Linux ]] && ! command -v nvidia-smi > /dev/null; then
 else
   FROM=()
 fi
-echo "+ .venv/bin/python -m pip install $TORCH ${FROM[*]:-}"
-.venv/bin/python -m pip install -q "$TORCH" ${FROM[@]+"${FROM[@]}"}
-echo "+ .venv/bin/python -m pip install -e .[test,plots]"
-.venv/bin/python -m pip install -q -e ".[test,plots]"
-.venv/bin/python -c "import torch; from plumbing.models import cpu_bf16; print(f'torch {torch.__version__}, \
-{torch.get_num_threads()} cores, native bf16', 'yes' if cpu_bf16() else 'no', '(./run_cpu.sh measures which \
-precision trains faster here before its first stage)')"
+# --no-compile: pip byte-compiles every file it installs (most of torch's install time), where the scripts import a
+# small part of them; the last command compiles that part once (where PYTHONDONTWRITEBYTECODE is set, as in this
+# project's CI, every process would compile it again)
+echo "+ .venv/bin/python -m pip install --no-compile $TORCH ${FROM[*]:-}"
+.venv/bin/python -m pip install -q --no-compile "$TORCH" ${FROM[@]+"${FROM[@]}"}
+echo "+ .venv/bin/python -m pip install --no-compile -e .[test,plots]"
+.venv/bin/python -m pip install -q --no-compile -e ".[test,plots]"
+env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "import torch, matplotlib.pyplot, peft, pytest, hypothesis
+import sft, ipo, rloo, grpo, opd, rlt, evaluate, plumbing.pipeline, plumbing.machine
+from plumbing.models import cpu_bf16, load_model
+load_model('pretrained/tiny-base')
+print(f'torch {torch.__version__}, {torch.get_num_threads()} cores, native bf16', 'yes' if cpu_bf16() else 'no', \
+'(./run_cpu.sh measures which precision trains faster here before its first stage)')"

@@ -2,6 +2,8 @@
 and hub datasets, with a one-line error naming the embedded alternative when the hub cannot be
 reached), the prompt templates, sft.py's examples (RLT's teacher and student formats among them),
 ipo.py's solver pairs, and the RL scripts' curriculum."""
+import hashlib
+import inspect
 import json
 import os
 import random
@@ -172,9 +174,8 @@ def load_tasks(data, split, n=None):
                 "and spans like nums=3-4 or nums=3") from None
         # don't generate what isn't asked
         sizes = dict(list(sizes.items())[: list(sizes).index(split) + 1])
-        rows = verifier.generate_splits(sizes, int(kv["seed"]),
-                                        tuple(range(span["nums"][0], span["nums"][1] + 1)),
-                                        span["range"], span["target"])[split]
+        rows = generated(sizes, int(kv["seed"]), tuple(range(span["nums"][0], span["nums"][1] + 1)),
+                         span["range"], span["target"])[split]
     else:
         rows = load_records(data, "train", ["nums", "target"])
         if not os.path.exists(data):  # a hub dataset: carve the held-out rows off its only split
@@ -188,6 +189,41 @@ def load_tasks(data, split, n=None):
     if not rows:
         raise CountdownError(f"no tasks in {data} ({split})")
     return [{"nums": list(r["nums"]), "target": r["target"]} for r in rows[:n]]
+
+
+def generated(sizes, *args):
+    """verifier.generate_splits(sizes, *args), kept in a file where it asks for a training split:
+    the generator stops only after 5,000 misses in a row, so a small space costs every stage ~10 s
+    of draws (run_cpu.sh's 3 numbers in 1-20: 1.7M draws for its 11,854 problems). Train fills
+    last, so a smaller train is a prefix of a larger one, and one that ran dry is all there is: a
+    file serves every train size up to the one it was made for, any size once it ran dry. Its name
+    hashes the other arguments and the generator's source, so an edited generator never reads an
+    old file; it lives in $COUNTDOWN_CACHE (default ~/.cache/countdown-posttrain). A file that
+    cannot be read or written: generated as before."""
+    if "train" not in sizes:  # test and val fill first: a few hundred draws
+        return verifier.generate_splits(sizes, *args)
+    n = sizes["train"]
+    source = inspect.getsource(verifier.generate_splits) + inspect.getsource(verifier._solvable)
+    key = hashlib.sha256(repr(({k: v for k, v in sizes.items() if k != "train"}, args, source)
+                              ).encode()).hexdigest()[:16]
+    path = os.path.join(os.environ.get("COUNTDOWN_CACHE") or os.path.expanduser(
+        "~/.cache/countdown-posttrain"), f"tasks-{key}.json")
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+        if n <= kept["train_asked"] or len(kept["splits"]["train"]) < kept["train_asked"]:
+            return {**kept["splits"], "train": kept["splits"]["train"][:n]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    splits = verifier.generate_splits(sizes, *args)
+    try:  # written whole or not at all: stages side by side may write it at once
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump({"train_asked": n, "splits": splits}, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
+    except OSError:
+        pass
+    return splits
 
 
 # ---- what sft.py and ipo.py train on ------------------------------------------------------------

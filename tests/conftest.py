@@ -1,6 +1,7 @@
 """Shared by the tests: paths, the tiny generated task set, and one tiny random checkpoint per
 session."""
 import os
+import tempfile
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config):
     """Under pytest-xdist (`-n auto` in pyproject's addopts: one worker a core) each worker, and
-    every script it starts, gets its share of the cores, not all of them each."""
+    every script it starts, gets its share of the cores, not all of them each. The generated
+    training splits they keep (plumbing/tasks.py: generated) go to a folder of the session's."""
+    os.environ["COUNTDOWN_CACHE"] = tempfile.mkdtemp(prefix="countdown-tests-")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         n = max(1, torch.get_num_threads() // workers)

@@ -309,6 +309,36 @@ def test_load_tasks_from_generator_and_jsonl(tmp_path):
     assert D.load_tasks(str(path), "test") == test
 
 
+def test_a_kept_training_split_is_the_generators_own(tmp_path, monkeypatch):
+    """load_tasks' file of generated splits (tasks.generated): every train size it serves is the
+    generator's own; a size past the one it was made for is generated (unless that ran dry); a
+    generator edited since is never served the old file; a broken file is generated over."""
+    monkeypatch.setenv("COUNTDOWN_CACHE", str(tmp_path))
+    data, args = "gen:nums=3,range=1-5,test=10,val=5", (0, (3,), (1, 5), (10, 100))
+
+    def own(n):
+        return V.generate_splits({"test": 10, "val": 5, "train": n}, *args)["train"]
+    assert D.load_tasks(data, "train", 20) == own(20)  # made for 20: no file yet
+    assert [f.name.endswith(".json") for f in tmp_path.iterdir()] == [True]
+    assert D.load_tasks(data, "train", 7) == own(7)  # a prefix of the file's
+    assert D.generated({"test": 10, "val": 5, "train": 7}, *args) == V.generate_splits(
+        {"test": 10, "val": 5, "train": 7}, *args)
+    assert D.load_tasks(data, "train", 40) == own(40) and len(own(40)) == 40  # past it: generated
+    assert len(own(10_000)) < 1_000  # this space runs dry: the file then serves any size
+    assert D.load_tasks(data, "train", 10_000) == own(10_000) == D.load_tasks(data, "train", 5_000)
+    assert D.load_tasks(data, "test") == V.generate_splits({"test": 10}, *args)["test"]
+    (file,) = tmp_path.iterdir()
+    file.write_text('{"train_asked": 10000, "splits": {"train": [')  # cut short: generated again
+    assert D.load_tasks(data, "train", 30) == own(30)
+    kept = D.load_tasks(data, "train", 30)
+
+    def edited(sizes, seed=0, num_numbers=(3, 4), num_range=(1, 99), target_range=(10, 100)):
+        """Another generator: its file is another one."""
+        return {name: [{"nums": [1, 1, 1], "target": 10}] * n for name, n in sizes.items()}
+    monkeypatch.setattr(V, "generate_splits", edited)
+    assert D.load_tasks(data, "train", 30) == [{"nums": [1, 1, 1], "target": 10}] * 30 != kept
+
+
 @dataclasses.dataclass
 class _Args:
     output_dir: str = C.arg("out", "where")
