@@ -42,7 +42,7 @@ echo "+ .venv/bin/python -m pip install --no-compile $TORCH ${FROM[*]:-}"
 .venv/bin/python -m pip install -q --no-compile "$TORCH" ${FROM[@]+"${FROM[@]}"}
 echo "+ .venv/bin/python -m pip install --no-compile -e .[test,plots]"
 .venv/bin/python -m pip install -q --no-compile -e ".[test,plots]"
-env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "import io, torch, matplotlib.pyplot as plt, peft, pytest, xdist, hypothesis
+env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c "import io, numpy.ctypeslib, torch, matplotlib.pyplot as plt, peft, pytest, xdist, hypothesis
 import sft, ipo, rloo, grpo, opd, rlt, evaluate, plumbing.pipeline, plumbing.machine
 from plumbing.models import cpu_bf16, load_model
 load_model('pretrained/tiny-base'), torch.save({}, io.BytesIO()), plt.figure().savefig(io.BytesIO(), format='png')
