@@ -147,13 +147,13 @@ base() {
 #    2e-3, chosen on val: the SFT model of 1,000 steps at 1e-3 (val pass@1 0.260-0.273 over five runs, eval loss 0.163) in
 #    30 % fewer steps (0.292-0.297, 0.162-0.163); 700 at 1e-3, or 32 traces a step, fell short (0.18-0.20;
 #    docs/studies/performance.md, "Less work"). Not compiled unless COMPILE=1: the first compile (2-2.5 min) cost more
-#    than the compiled steps saved over 1,000 of them on both CPUs measured (docs/studies/performance.md). Micro-batches
-#    of at most 2,048 padded tokens, not 16 rows whatever their length: rows run 57-412 tokens, and padding to the
-#    longest of 16 was a quarter of a step's tokens (an eighth now); the same loss, a step ~10 % faster here
+#    than the compiled steps saved over 1,000 of them on both CPUs measured (docs/studies/performance.md). Its
+#    micro-batches hold at most 2,048 padded tokens, not 16 rows whatever their length: rows run 57-412 tokens, and
+#    padding to the longest of 16 was a quarter of a step's tokens (an eighth now); the same loss, a step ~10 % faster
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
 SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 2e-3 --batch_size 64 --max_steps 700 --eval_every 350
-     --micro_batch_tokens 2048 ${COMPILE:+--compile})
-sft() { stage sft python sft.py "${SFT[@]}" --output_dir "$OUT/sft"; }
+     ${COMPILE:+--compile})
+sft() { stage sft python sft.py "${SFT[@]}" --micro_batch_tokens 2048 --output_dir "$OUT/sft"; }
 #    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's
 #    verification gate (--verified: what the scorer rejects is dropped; 160 traces a step keep ~59, as many as the
 #    SFT stage trains on), 2,000 steps at lr 1e-3 (as it was built, when the SFT stage took 1,000 at that lr), its
