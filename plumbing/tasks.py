@@ -2,6 +2,7 @@
 and hub datasets, with a one-line error naming the embedded alternative when the hub cannot be
 reached), the prompt templates, sft.py's examples (RLT's teacher and student formats among them),
 ipo.py's solver pairs, and the RL scripts' curriculum."""
+import contextlib
 import hashlib
 import inspect
 import json
@@ -192,37 +193,30 @@ def load_tasks(data, split, n=None):
 
 
 def generated(sizes, *args):
-    """verifier.generate_splits(sizes, *args), kept in a file where it asks for a training split:
-    the generator stops only after 5,000 misses in a row, so a small space costs every stage ~10 s
-    of draws (run_cpu.sh's 3 numbers in 1-20: 1.7M draws for its 11,854 problems). Train fills
-    last, so a smaller train is a prefix of a larger one, and one that ran dry is all there is: a
-    file serves every train size up to the one it was made for, any size once it ran dry. Its name
-    hashes the other arguments and the generator's source, so an edited generator never reads an
-    old file; it lives in $COUNTDOWN_CACHE (default ~/.cache/countdown-posttrain). A file that
-    cannot be read or written: generated as before."""
+    """verifier.generate_splits(sizes, *args), its train split kept in a file: the generator stops
+    only after 5,000 misses in a row, ~10 s in every stage for run_cpu.sh's small space (1.7M draws
+    for 11,854 problems). Train fills last: a smaller one is a prefix of a larger one, and one that
+    ran dry is all there is. The file's name hashes the other arguments and the generator's source
+    (an edited one never reads an old file); it lives in $COUNTDOWN_CACHE (default
+    ~/.cache/countdown-posttrain). Unreadable or unwritable: generated as before."""
     if "train" not in sizes:  # test and val fill first: a few hundred draws
         return verifier.generate_splits(sizes, *args)
-    n = sizes["train"]
+    n, rest = sizes["train"], {k: v for k, v in sizes.items() if k != "train"}
     source = inspect.getsource(verifier.generate_splits) + inspect.getsource(verifier._solvable)
-    key = hashlib.sha256(repr(({k: v for k, v in sizes.items() if k != "train"}, args, source)
-                              ).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr((rest, args, source)).encode()).hexdigest()[:16]
     path = os.path.join(os.environ.get("COUNTDOWN_CACHE") or os.path.expanduser(
         "~/.cache/countdown-posttrain"), f"tasks-{key}.json")
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none yet, or broken
         with open(path) as f:
             kept = json.load(f)
         if n <= kept["train_asked"] or len(kept["splits"]["train"]) < kept["train_asked"]:
-            return {**kept["splits"], "train": kept["splits"]["train"][:n]}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+            return {**kept["splits"], "train": kept["splits"]["train"][:n]}  # a prefix, or all
     splits = verifier.generate_splits(sizes, *args)
-    try:  # written whole or not at all: stages side by side may write it at once
+    with contextlib.suppress(OSError):  # whole or not at all: stages side by side may write it
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        with open(f"{path}.{os.getpid()}", "w") as f:
             json.dump({"train_asked": n, "splits": splits}, f)
-        os.replace(f"{path}.{os.getpid()}.tmp", path)
-    except OSError:
-        pass
+        os.replace(f"{path}.{os.getpid()}", path)
     return splits
 
 
