@@ -149,7 +149,7 @@ base() {
 #    docs/studies/performance.md, "Less work"). Not compiled unless COMPILE=1: the first compile (2-2.5 min) cost more
 #    than the compiled steps saved over 1,000 of them on both CPUs measured (docs/studies/performance.md). Its
 #    micro-batches hold at most 2,048 padded tokens, not 16 rows whatever their length: rows run 57-412 tokens, and
-#    padding to the longest of 16 was a quarter of a step's tokens (an eighth now); the same loss, a step ~10 % faster
+#    padding to the longest of 16 was a quarter of a step's tokens (an eighth now); the same loss, a step 3-12 % faster
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
 SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 2e-3 --batch_size 64 --max_steps 700 --eval_every 350
      ${COMPILE:+--compile})
