@@ -92,8 +92,9 @@ stage() {  # stage NAME COMMAND...: run unless finished before; record its wall 
     [[ -d $OUT/$name/state && -z "$FORCE" ]] && again=(--resume "$OUT/$name")
     echo "== $name: training (log: $OUT/logs/$name.log)"
     echo "+ $* ${again[*]}"
-    local start=$SECONDS
-    logged "$name" "$@" "${again[@]}"
+    local start=$SECONDS bf16=${COUNTDOWN_CPU_BF16:-}
+    [[ ${2:-} == sft.py ]] && bf16=${SFT_CPU_BF16:-$bf16}  # the precision measured for SFT steps (path.env)
+    COUNTDOWN_CPU_BF16=$bf16 logged "$name" "$@" "${again[@]}"
     echo $((SECONDS - start)) > "$OUT/$name/wall_seconds"
   fi
   evaluated "$name"
@@ -153,7 +154,8 @@ base() {
 TRACES=(--near_misses 0.5 --micro_batch 16 --dead_ends 1 --strategies random:0.7,backward:0.3)
 SFT=(--init "$OUT/base" "${COMMON[@]}" "${TRACES[@]}" --lr 2e-3 --batch_size 64 --max_steps 700 --eval_every 350
      ${COMPILE:+--compile})
-sft() { stage sft python sft.py "${SFT[@]}" --micro_batch_tokens 2048 --output_dir "$OUT/sft"; }
+SFT_MICRO=(--micro_batch_tokens 2048)
+sft() { stage sft python sft.py "${SFT[@]}" "${SFT_MICRO[@]}" --output_dir "$OUT/sft"; }
 #    Beside it, OPD's teacher, the analog of paper 000's Countdown-tuned 7B: the same source through paper 001's
 #    verification gate (--verified: what the scorer rejects is dropped; 160 traces a step keep ~59, as many as the
 #    SFT stage trains on), 2,000 steps at lr 1e-3 (as it was built, when the SFT stage took 1,000 at that lr), its
@@ -278,11 +280,12 @@ ARGS=(--out "$OUT" --cores "$CORES" --status_every "${STATUS_EVERY:-30}")
 if [[ -n $SERIAL ]]; then ARGS+=(--serial); fi
 if [[ -n $PLAN ]]; then python -m plumbing.pipeline "${ARGS[@]}" --plan "${UNITS[@]}"; exit; fi
 base
-# The training path that is fastest on this machine, measured on the base model in ~15-25 s before the first stage
-# (plumbing/machine.py): bf16 or fp32 forwards; kept for the run's later resumes; COUNTDOWN_CPU_BF16=0|1 overrides
+# The training path that is fastest on this machine, measured on the base model in ~15-30 s before the first stage
+# (plumbing/machine.py): bf16 or fp32 forwards, for the SFT stage's own first batch and for an RL update apart; kept for
+# the run's later resumes; COUNTDOWN_CPU_BF16=0|1 overrides both
 if [[ ! -f $OUT/path.env || -n $FORCE || -n ${COUNTDOWN_CPU_BF16:-} ]]; then
-  echo "+ python -m plumbing.machine --init $OUT/base --cores $CORES --out $OUT/path.env"
-  python -m plumbing.machine --init "$OUT/base" --cores "$CORES" --out "$OUT/path.env"
+  echo "+ python -m plumbing.machine --init $OUT/base --cores $CORES --out $OUT/path.env -- <the sft stage's flags>"
+  python -m plumbing.machine --init "$OUT/base" --cores "$CORES" --out "$OUT/path.env" -- "${SFT[@]}" "${SFT_MICRO[@]}"
 else
   echo "== training forwards as measured before: $(head -n 1 "$OUT/path.env" | cut -c3-) ($OUT/path.env)"
 fi

@@ -2,6 +2,7 @@
 by side (plumbing/pipeline.py), the console kept moving, a failure reported when it happens, and --compile
 skipped with one line where it does not pay or cannot build."""
 import os
+import random
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from plumbing import machine
 from plumbing.models import load_model
 from plumbing import pipeline
 from conftest import GEN, ROOT
+import sft
 
 UNITS = ["sft", "teacher", "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft"]  # run_cpu.sh's
 RLT_UNITS = ["sft", "teacher", "solver_student", "teacher_student:teacher", "rlt:sft,teacher,teacher_student",
@@ -235,44 +237,85 @@ def test_compile_pays_on_avx512_with_a_compiler(monkeypatch):
     assert not harness.compile_pays("cpu")
 
 
-def test_the_path_probe_keeps_the_path_faster_for_the_pipelines_steps(tmp_path, monkeypatch, capsys):
-    """plumbing/machine.py: each candidate timed in alternating rounds after a warm-up, the precision
-    whose 700 SFT steps + 300 RL updates are the shorter kept, written for run_cpu.sh and said in
-    one line; a candidate 2x slower in the warm-up is not timed again; the user's setting wins."""
+def test_the_path_probe_keeps_each_kinds_faster_precision(tmp_path, monkeypatch, capsys):
+    """plumbing/machine.py: each candidate timed in alternating rounds after a warm-up, each round
+    on new shapes, the faster precision kept for SFT steps and for RL updates apart, written for
+    run_cpu.sh and said in one line; a candidate 2x slower in the warm-up is not timed again; the
+    user's setting wins for both."""
     monkeypatch.delenv("COUNTDOWN_CPU_BF16", raising=False)
     cost = {("sft", True): 0.5, ("sft", False): 0.3, ("rl", True): 1.0, ("rl", False): 2.0}
     calls = []
 
-    def fake_step(model, frozen, ids, bf16):  # SFT faster in fp32, RL in bf16 (as on AMX, roughly)
-        kind = "rl" if frozen is not None else "sft"
-        calls.append((kind, bf16))
-        time.sleep(cost[kind, bf16] / 100)
+    def fake(kind):  # SFT faster in fp32, RL in bf16 (as on the Xeon with AMX)
+        def step(model, frozen_or_batch, *rest):
+            bf16 = rest[-1]
+            calls.append((kind, bf16, frozen_or_batch if kind == "sft" else rest[0]))
+            time.sleep(cost[kind, bf16] / 100)
+        return step
 
-    monkeypatch.setattr(machine, "micro_step", fake_step)
+    monkeypatch.setattr(machine, "sft_step", fake("sft"))
+    monkeypatch.setattr(machine, "rl_step", fake("rl"))
+    monkeypatch.setattr(machine, "sft_shapes", lambda tok, flags, n: [f"step {i}" for i in range(n)])
     out = tmp_path / "path.env"
-    machine.main(["--init", "tiny", "--cores", "2", "--out", str(out)])
+    machine.main(["--init", "tiny", "--cores", "2", "--out", str(out), "--", "--data", "gen:x"])
     line = capsys.readouterr().out
-    # bf16: 700 * 0.02 + 300 * 0.04 = 26 s against fp32's 700 * 0.012 + 300 * 0.08 = 32.4 s
-    assert out.read_text().endswith("export COUNTDOWN_CPU_BF16=1\n") and line.count("\n") == 1
-    assert "training forwards in bf16, the faster here" in line and "an SFT step 0.02 s in bf16, 0.01 s" in line
-    assert calls.count(("rl", False)) == calls.count(("rl", True)) >= 2  # both timed after the warm-up
+    assert out.read_text().endswith("export COUNTDOWN_CPU_BF16=1\nexport SFT_CPU_BF16=0\n")
+    assert line.count("\n") == 1 and "SFT in fp32 (a step " in line and " in bf16, 2 threads)" in line
+    assert "RL in bf16 (an update 0.08 s, 0.16 in fp32, 1 thread)" in line
+    assert calls.count(("rl", False, 150)) == calls.count(("rl", True, 150)) == 1  # the warm-up's shape
+    rounds = {c[2] for c in calls if c[0] == "sft"}
+    assert len(rounds) >= 3 and len({c[2] for c in calls if c[0] == "rl"}) == len(rounds)  # new shapes
     cost.update({("sft", True): 5.0, ("rl", True): 10.0})  # emulated bf16: dropped after its warm-up
     calls.clear()
-    machine.main(["--init", "tiny", "--cores", "2", "--out", str(out), "--rl_steps", "0"])
-    assert out.read_text().endswith("export COUNTDOWN_CPU_BF16=0\n") and "fp32, the faster" in capsys.readouterr().out
-    assert calls.count(("sft", True)) == 1 and calls.count(("sft", False)) >= 2
+    machine.main(["--init", "tiny", "--cores", "2", "--out", str(out)])
+    assert out.read_text().endswith("_BF16=0\nexport SFT_CPU_BF16=0\n") and "RL in fp32" in capsys.readouterr().out
+    assert [c[:2] for c in calls].count(("sft", True)) == 1 and [c[:2] for c in calls].count(("rl", True)) == 1
+    assert [c[:2] for c in calls].count(("sft", False)) >= 2
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")  # the user's choice: nothing is timed
     monkeypatch.setattr(machine, "measure", None)
     machine.main(["--init", "tiny", "--out", str(out)])
-    assert out.read_text().endswith("=1\n") and "as COUNTDOWN_CPU_BF16 says" in capsys.readouterr().out
+    assert out.read_text().endswith("_BF16=1\nexport SFT_CPU_BF16=1\n")
+    assert "as COUNTDOWN_CPU_BF16 says" in capsys.readouterr().out
 
 
-def test_the_path_probe_times_real_steps_within_its_budget():
-    """The probe's own steps on the tiny model (its shapes, its frozen twin): both precisions timed,
-    in a fraction of the ~30 s it may spend."""
-    model = load_model("tiny")[0].train()
+def test_the_path_probe_times_real_steps_within_its_budget(monkeypatch):
+    """The probe's own steps on the tiny model (the SFT stage's traces from its flags, RL rows, its
+    frozen twin): both precisions timed, in a fraction of the ~30 s it may spend, and the caller's
+    precision left as it was (unset: run_cpu.sh's probe)."""
+    monkeypatch.delenv("COUNTDOWN_CPU_BF16", raising=False)
+    model, tok = load_model("tiny")
+    model.train()
+    flags = ["--data", "gen:nums=3,range=1-20,test=20,val=10", "--template", "compact", "--batch_size", "8",
+             "--micro_batch", "4", "--micro_batch_tokens", "512"]
+    steps = machine.sft_shapes(tok, flags, 3)  # row lengths, cut as sft.py cuts its rows
+    assert len(steps) == 3 and all(sum(map(len, s)) == 8 for s in steps) and steps[0] != steps[1]
+    for micro in steps:
+        rows = [k for m in micro for k in m]
+        assert rows == sorted(rows) and all(len(m) <= 4 and (len(m) == 1 or len(m) * max(m) <= 512) for m in micro)
+    prompts, write = machine.sft_data("gen:nums=3,range=1-20,test=20,val=10", "train", 24, "compact", 200,
+                                      mistakes=machine.parse_mixes("random", machine.LLM_MISTAKES)[1])
+    responses = write(random.Random(0))  # the first step's rows as sft.py cuts them
+    assert steps[0] == [a.sum(1).tolist() for _, a, _ in sft.micro_batches(
+        tok, prompts[:8], responses[:8], 4, 512, 1024, "cpu", 512)]
+    assert all(default is None or getattr(sft.Args(), name) == default for name, _, default in machine.SFT_FLAGS)
     t0 = time.time()
-    times = machine.measure(model, harness.frozen_copy(model), 2, 1, budget_s=0)
+    times = machine.measure(model, harness.frozen_copy(model), steps, 2, 1, budget_s=0)
     assert set(times) == {("sft", True), ("sft", False), ("rl", True), ("rl", False)}
     assert all(t > 0 for t in times.values()) and time.time() - t0 < 30
     assert all(p.grad is None for p in model.parameters())  # nothing left over for a real step
+    assert "COUNTDOWN_CPU_BF16" not in os.environ
+
+
+def test_the_sft_stages_train_in_the_precision_measured_for_sft_steps(tmp_path):
+    """run_cpu.sh runs sft.py stages with path.env's SFT_CPU_BF16 and every other command with its
+    COUNTDOWN_CPU_BF16 (the RL updates' precision)."""
+    fake, out, calls = tmp_path / "python", tmp_path / "out", tmp_path / "calls"
+    fake.write_text(FAKE_PY.replace('echo "$*" >>', 'echo "$* bf16=$COUNTDOWN_CPU_BF16" >>'))
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable, "CALLS": str(calls),
+           "RLT": "1", "RLT_CONTROL": "", "FORCE": "", "COUNTDOWN_CPU_BF16": "1", "SFT_CPU_BF16": "0"}
+    r = subprocess.run(["bash", "run_cpu.sh", "--unit", "teacher_student", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ran = [(x.split()[0], x.split()[-1]) for x in calls.read_text().splitlines()]
+    assert ran == [("evaluate.py", "bf16=1"), ("sft.py", "bf16=0"), ("evaluate.py", "bf16=1")]
