@@ -24,10 +24,11 @@ def device_and_dtype():
 
 def cpu_bf16():
     """Whether training forwards on this CPU compute in bf16: COUNTDOWN_CPU_BF16=0 or 1, which
-    run_cpu.sh sets to the precision it measured faster here (plumbing/machine.py); unset (a script
-    run by hand), yes where the CPU has native bf16 dot products (AVX512-BF16 or AMX), elsewhere
-    emulated and 10x slower. Native is not always faster: on a 2-core Xeon with AMX the SFT step
-    was (0.638 s against fp32's 0.539; docs/studies/performance.md)."""
+    run_cpu.sh sets for each stage to the precision it measured faster here for that stage's kind
+    of step (plumbing/machine.py); unset (a script run by hand), yes where the CPU has native bf16
+    dot products (AVX512-BF16 or AMX), elsewhere emulated and 10x slower. Native is not always
+    faster: on a 2-core Xeon with AMX the SFT stage's step was slower in bf16 (0.72-0.78 s against
+    fp32's 0.44-0.47), its RL updates faster (docs/studies/performance.md)."""
     if os.environ.get("COUNTDOWN_CPU_BF16") in ("0", "1"):
         return os.environ["COUNTDOWN_CPU_BF16"] == "1"
     return any(
