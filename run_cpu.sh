@@ -281,8 +281,8 @@ if [[ -n $SERIAL ]]; then ARGS+=(--serial); fi
 if [[ -n $PLAN ]]; then python -m plumbing.pipeline "${ARGS[@]}" --plan "${UNITS[@]}"; exit; fi
 base
 # The training path that is fastest on this machine, measured on the base model in ~15-30 s before the first stage
-# (plumbing/machine.py): bf16 or fp32 forwards, for the SFT stage's own first batch and for an RL update apart; kept for
-# the run's later resumes; COUNTDOWN_CPU_BF16=0|1 overrides both
+# (plumbing/machine.py): bf16 or fp32 forwards, for SFT steps shaped as the sft stage's and for RL updates apart; kept
+# for the run's later resumes; COUNTDOWN_CPU_BF16=0|1 overrides both
 if [[ ! -f $OUT/path.env || -n $FORCE || -n ${COUNTDOWN_CPU_BF16:-} ]]; then
   echo "+ python -m plumbing.machine --init $OUT/base --cores $CORES --out $OUT/path.env -- <the sft stage's flags>"
   python -m plumbing.machine --init "$OUT/base" --cores "$CORES" --out "$OUT/path.env" -- "${SFT[@]}" "${SFT_MICRO[@]}"

@@ -27,6 +27,7 @@ run_cpu.sh sources (`export COUNTDOWN_CPU_BF16=1`: the RL and IPO stages' precis
 import argparse
 import os
 import random
+import sys
 import time
 
 import torch
@@ -137,7 +138,7 @@ def choose(times):
 
 
 def main(argv=None):
-    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--init", required=True, help="the pipeline's base model (its shapes are timed)")
