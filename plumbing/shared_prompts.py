@@ -117,7 +117,10 @@ def layers(decoder, ids, pos, bias=None, past=None, fused=None):
         else:
             scores = torch.baddbmm(mask, q.reshape(b * Hkv, g * T, d),  # (b·Hkv, g·T, S+T)
                                    k.flatten(0, 1).transpose(1, 2), alpha=attn.scaling)
-            p = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
+            # softmax over the bf16 scores: torch's CPU kernel computes in fp32 and writes bf16, the
+            # p of an fp32 softmax cast back, without its fp32 copies of the scores each way
+            # (backward too): the update 0.87x (docs/studies/performance.md)
+            p = scores.softmax(-1).to(v.dtype)
             o = torch.bmm(p, v.flatten(0, 1)).view(b, -1, T, d)                       # (b, H, T, d)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(b, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))

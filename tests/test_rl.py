@@ -353,3 +353,34 @@ def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     first, last = sum(acc[:4]) / 4, sum(acc[-4:]) / 4
     print(f"{module.__name__}: training accuracy {first:.2f} in its first 4 steps, {last:.2f} in its last 4")  # -rP shows it
     assert last > first + 0.05, acc
+
+
+def test_the_bf16_shared_forward_is_as_close_to_fp32_as_transformers_bf16(tiny_ckpt, monkeypatch):
+    """Under bf16 autocast (a CPU with native bf16), shared_prompts' eager attention takes its softmax
+    over the bf16 scores (torch's kernel computes it in fp32), not over an fp32 copy: its log-probs and
+    gradient must stay as near the fp32 forward's as transformers' bf16 eager attention (fp32 softmax)
+    is. Broken on purpose, it failed: that softmax's sum accumulated in bf16 (1.5x the error)."""
+    from plumbing.shared_prompts import Prompts
+    model, tok = M.load_model(tiny_ckpt)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (9, 12)]
+    completions = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (60, 41, 55, 30, 64, 48)]
+    samples = S.Rollouts(prompts, completions, [[0.0] * len(c) for c in completions], [""] * 6, [True] * 6)
+
+    def step(bf16, shared):
+        monkeypatch.setenv("COUNTDOWN_CPU_BF16", bf16)
+        model.zero_grad()
+        with S.autocast("cpu", model):
+            shared_prompts, logps = Prompts(model, prompts, 3, shared), []
+        for rows, ids, attn, mask, _ in S.micro_batches(samples, 3, tok.pad_token_id, "cpu"):
+            with S.autocast("cpu", model):
+                logp = S.token_stats(model, ids, attn, mask, 0.7, prompts=shared_prompts.of(rows))["logp"]
+            (logp * mask[:, 1:]).sum().backward()
+            logps.append(logp.detach().flatten())
+        shared_prompts.backward()
+        return torch.cat(logps), torch.cat([p.grad.flatten() for p in model.parameters()])
+    logp32, g32 = step("0", False)
+    (logp_hf, g_hf), (logp_shared, g_shared) = step("1", False), step("1", True)
+    err_hf, err_shared = (g_hf - g32).norm() / g32.norm(), (g_shared - g32).norm() / g32.norm()
+    assert 0 < err_shared < 1.25 * err_hf + 1e-3, (err_shared, err_hf)
+    assert (logp_shared - logp32).abs().mean() < 1.25 * (logp_hf - logp32).abs().mean() + 1e-4
