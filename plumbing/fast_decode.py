@@ -157,8 +157,11 @@ class _KVCache:
     one contiguous block, and `new`, R slots written in place, the first `n` of them filled; when
     `new` is full it is appended to `old`. Why two parts: on this CPU attention's batched matmuls
     ran 1.4-1.8x faster over a contiguous block than over a slice of one preallocated buffer, and
-    the appends copy the cache once every R tokens. On a GPU `new` holds every decode slot
-    (_decode_slots), in bf16 under autocast (_decode_precision), where the projections give bf16."""
+    the appends copy the cache once every R tokens. `old_kt`: old's keys again, transposed,
+    (layers, b, n_kv_heads, head_dim, S), made at each append: the scores' batched matmul over them
+    took 0.65-0.71x as long as over old's (S, head_dim) keys (docs/studies/performance.md). On a
+    GPU `new` holds every decode slot (_decode_slots), in bf16 under autocast (_decode_precision),
+    where the projections give bf16."""
     R = 32  # slots of `new` while decoding (measured: 8 slower, 16 a little slower, 64 the same)
 
     def __init__(self, decoder, b, slots, dev):
@@ -170,22 +173,25 @@ class _KVCache:
         self.new = torch.empty(len(decoder.layers), 2, b, Hkv, slots, attn.head_dim, dtype=dtype,
                                device=dev)
         self.old, self.n = self.new[..., :0, :], 0
+        self.old_kt = self.old[:, 0].transpose(-1, -2)
 
     def advance(self, T):
         """T more slots of `new` are written: append it to `old` when full."""
         self.n += T
         if self.n == self.new.shape[4]:
             self.old, self.n = torch.cat([self.old, self.new], 4), 0
+            self.old_kt = self.old[:, 0].transpose(-1, -2).contiguous()
 
     def spread(self, which, slots):
         """Rows `which` (b,) of `old`, e.g. each prompt to its n rows, and an empty `new` of `slots`
         slots (_decode_slots)."""
-        self.old = self.old[:, :, which]
+        self.old, self.old_kt = self.old[:, :, which], self.old_kt[:, which]
         self.new = self.old.new_empty(*self.old.shape[:4], slots, self.old.shape[5])
 
     def keep(self, rows):
         """Only these rows (the ones still running)."""
         self.old, self.new = self.old[:, :, rows], self.new[:, :, rows]
+        self.old_kt = self.old_kt[:, rows]
 
 
 def _forward(decoder, ids, pos, rope, kv, bias):
@@ -225,10 +231,11 @@ def _attention(attn, x, cos, sin, kv, i, bias):
     kv.new[i, 0, :, :, n:n + T] = _rope(k, cos, sin)
     kv.new[i, 1, :, :, n:n + T] = attn.v_proj(x).view(b, T, Hkv, d).transpose(1, 2)
     q = _rope(q, cos, sin).reshape(bias.shape[0], -1, d) * attn.scaling  # (b·Hkv, g·T, d)
-    old_k, old_v = kv.old[i].flatten(1, 2)  # (b·Hkv, S_old, d) each
+    old_kt = kv.old_kt[i].flatten(0, 1)  # (b·Hkv, d, S_old): the keys, transposed
+    old_v = kv.old[i, 1].flatten(0, 1)  # (b·Hkv, S_old, d)
     new_k, new_v = kv.new[i, :, :, :, :n + T].flatten(1, 2)  # (b·Hkv, n + T, d) each
-    S_old = old_k.shape[1]
-    scores = torch.cat([torch.baddbmm(bias[..., :S_old], q, old_k.transpose(1, 2)),
+    S_old = old_v.shape[1]
+    scores = torch.cat([torch.baddbmm(bias[..., :S_old], q, old_kt),
                         torch.baddbmm(bias[..., S_old:], q, new_k.transpose(1, 2))], -1)
     p = scores.softmax(-1)  # (b·Hkv, g·T, S)
     o = torch.baddbmm(torch.bmm(p[..., :S_old], old_v), p[..., S_old:], new_v)  # (b·Hkv, g·T, d)
