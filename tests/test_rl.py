@@ -382,5 +382,5 @@ def test_the_bf16_shared_forward_is_as_close_to_fp32_as_transformers_bf16(tiny_c
     logp32, g32 = step("0", False)
     (logp_hf, g_hf), (logp_shared, g_shared) = step("1", False), step("1", True)
     err_hf, err_shared = (g_hf - g32).norm() / g32.norm(), (g_shared - g32).norm() / g32.norm()
-    assert 0 < err_shared < 1.25 * err_hf + 1e-3, (err_shared, err_hf)
-    assert (logp_shared - logp32).abs().mean() < 1.25 * (logp_hf - logp32).abs().mean() + 1e-4
+    assert 0 < err_shared < 1.25 * err_hf, (err_shared, err_hf)
+    assert (logp_shared - logp32).abs().mean() < 1.25 * (logp_hf - logp32).abs().mean()
