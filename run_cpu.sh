@@ -75,9 +75,11 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # 100 steps, not 50, chosen on val (issue 44): GRPO +0.035 ± 0.024, RLOO +0.037 ± 0.037 paired over 100 problems x 128
 # samples; the same rollouts as 16 prompts a step for 100 steps gave +0.002; at 75 steps GRPO's val lift was 0.03 lower
 # over five runs (docs/studies/performance.md). Micro-batches of 32 rollouts, not 64: the same loss (each adds its share
-# of the step's), an update 1.25-1.4x faster on a CPU (its cache). No --term_grads: each loss term's own gradient
+# of the step's), an update 1.25-1.4x faster on a CPU (its cache); 16 where the RL stages train in fp32 (path.env): GRPO's
+# and OPD's fp32 update 3-7 % faster again, bf16's 2 % slower (docs/studies/performance.md). No --term_grads: each loss term's own gradient
 # (grad/<term>, docs/studies/loss_terms.md) cost a backward per term on 5 steps of each stage, ~12 s each here
-RL=(--lr 5e-5 --temperature 0.7 --batch_size 32 --micro_batch 32 --max_response_len 160 --max_steps 100 --eval_every 25
+RL_MICRO=$([[ ${COUNTDOWN_CPU_BF16:-} == 1 ]] && echo 32 || echo 16)
+RL=(--lr 5e-5 --temperature 0.7 --batch_size 32 --micro_batch $RL_MICRO --max_response_len 160 --max_steps 100 --eval_every 25
     --save_every 25 --wrong_reward 0 --no_answer_reward 0)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
 # drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/studies/loss_terms.md)

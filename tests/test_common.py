@@ -59,6 +59,24 @@ def test_chunked_logprobs_and_entropy_match_naive_at_qwen_vocab(big_vocab_model)
     assert (stats["logp"][~sel] == 0).all() and (stats["entropy"][~sel] == 0).all()
 
 
+def test_correct_is_where_the_target_is_the_argmax():
+    """token_stats' `correct` (SFT's train/token_acc) marks the tokens that are the logits' argmax: a
+    greedy continuation with every fourth token replaced holds both kinds. Broken on purpose: `>`
+    for `>=` (no token ever correct) and the amax over positions, not the vocab, both failed."""
+    model = qwen_like(50, seed=1)
+    ids = model.generate(torch.randint(2, 50, (3, 4)), max_new_tokens=16, do_sample=False,
+                         min_new_tokens=16, pad_token_id=0)
+    ids[:, 5::4] = (ids[:, 5::4] + 7) % 50
+    attn, mask = torch.ones_like(ids), torch.ones_like(ids)
+    mask[:, :4] = 0
+    stats = LP.token_stats(model, ids, attn, mask, temperature=0.7, chunk_size=9)
+    logits = model(input_ids=ids).logits[:, :-1]
+    sel = mask[:, 1:].bool()
+    want = (logits.argmax(-1) == ids[:, 1:]).float()
+    assert 0 < want[sel].mean() < 1 and torch.equal(stats["correct"][sel], want[sel])
+    assert (stats["correct"][~sel] == 0).all()
+
+
 def test_chunked_logprobs_gradient_matches_naive():
     model = qwen_like(1000)
     ids, attn, mask = batch(1000)

@@ -319,3 +319,22 @@ def test_the_sft_stages_train_in_the_precision_measured_for_sft_steps(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     ran = [(x.split()[0], x.split()[-1]) for x in calls.read_text().splitlines()]
     assert ran == [("evaluate.py", "bf16=1"), ("sft.py", "bf16=0"), ("evaluate.py", "bf16=1")]
+
+
+@pytest.mark.parametrize("bf16,want", [("1", "32"), ("0", "16")])
+def test_the_rl_stages_micro_batch_follows_their_precision(tmp_path, bf16, want):
+    """The RL stages' micro-batches: 32 rollouts where they train in bf16, 16 in fp32 (each the
+    faster update there, docs/studies/performance.md), in all three. Broken on purpose: the two
+    sizes swapped failed both cases."""
+    fake, out, calls = tmp_path / "python", tmp_path / "out", tmp_path / "calls"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable, "CALLS": str(calls),
+           "RLT": "", "RLT_CONTROL": "", "FORCE": "", "COUNTDOWN_CPU_BF16": bf16}
+    for unit in ("rloo", "grpo", "opd"):
+        r = subprocess.run(["bash", "run_cpu.sh", "--unit", unit, str(out)], cwd=ROOT, capture_output=True,
+                           text=True, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+    trained = [x.split() for x in calls.read_text().splitlines() if x.split()[0] != "evaluate.py"]
+    assert [x[0] for x in trained] == ["rloo.py", "grpo.py", "opd.py"]
+    assert all(x[x.index("--micro_batch") + 1] == want for x in trained)
