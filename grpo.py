@@ -20,7 +20,7 @@ values are in each --help. Departures from the papers:
   2. Full fine-tuning unless --lora_rank (002 trains rank 8). 002's exploration knobs are flags:
      --bottom_p and --adaptive_temperature (§5.2); its filter and 001's tiers are --curriculum.
      Bottom-p samples off-policy: π_old in ρ stays softmax(logits / T), as 002 computes it.
-  3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 5e-5, β 0.04, 100 steps,
+  3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 6.7e-5, β 0.04, 75 steps,
      and a wrong answer rewarded 0, not 0.1: with 160 tokens the 0.1 pays for a false "found".
 
 Real (1×H100, the defaults):  python grpo.py --init out/sft --backend vllm --output_dir out/grpo

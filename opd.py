@@ -16,7 +16,7 @@ one μ sampled from; the KL has its own T. `train/is_weight_raw` is w before its
      pulled 0.005 as hard as L_PG (grad/<term>; docs/studies/loss_terms.md). --pg_norm mean divides L_PG
      by the token count, so both are on one scale (where 0.5 / 0.5 makes the KL the stronger pull).
   2. No T² rescaling of the KL (as in the paper): raising T also shrinks the KL's gradient.
-  3. Embedded setting: a tiny teacher written by sft.py, 32 prompts x 8, lr 5e-5, 100 steps, a wrong
+  3. Embedded setting: a tiny teacher written by sft.py, 32 prompts x 8, lr 6.7e-5, 75 steps, a wrong
      answer rewarded 0 in the RL half (README; docs/studies/strategies.md); λ_KL 0.03: under --pg_norm mean the
      KL at 0.5 pulls 2.5-7x as hard as L_PG (the paper's summed L_PG outweighs its KL) toward a
      skill a 0.84M student cannot learn in 50 steps (docs/studies/teachers.md).

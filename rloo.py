@@ -14,7 +14,7 @@ Departures from the paper:
      (w = 1, KL 0): a bf16 engine's rounding then moves nothing (README, the vLLM sampler).
   2. The entropy and KL are token means, Eq. 3 a sum over ~100 tokens: λ_H's term pulled 3e-5 as
      hard (grad/<term>; docs/studies/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
-  3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 5e-5, 100 steps, and a
+  3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 6.7e-5, 75 steps, and a
      wrong answer rewarded 0, not 0.1: with 160 tokens the 0.1 pays for a false "found"
      (docs/studies/arithmetic.md).
 

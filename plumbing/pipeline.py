@@ -20,10 +20,10 @@ import time
 
 # Seconds each unit took on one fp32 thread beside another stage, its evaluations included (2 cores
 # without AVX512-BF16, issue 44's run of 32b94ae; sft without --compile estimated from its 1.07 s
-# step; the RL stages' 100 steps and the teacher's evaluation alone estimated from their parts).
-# Used only to rank the units and to print the plan.
-COST = {"sft": 1250, "teacher": 250, "teacher_student": 550, "solver_student": 740, "rloo": 1250,
-        "opd": 1450, "grpo": 1450, "ipo": 250, "rlt": 660, "rlt_student": 910, "opd_anticollapse": 1150,
+# step; the RL stages' 100 steps and the teacher's evaluation alone estimated from their parts;
+# rloo, grpo, opd at 3/4 since they take 75 steps). Used only to rank the units and to print the plan.
+COST = {"sft": 1250, "teacher": 250, "teacher_student": 550, "solver_student": 740, "rloo": 940,
+        "opd": 1090, "grpo": 1090, "ipo": 250, "rlt": 660, "rlt_student": 910, "opd_anticollapse": 1150,
         "opd_longer": 1140}
 # every pool a stage's process may start: OpenMP/MKL/OpenBLAS/Accelerate (torch and numpy), the
 # tokenizers' Rust pool, torch.compile's compile workers
