@@ -72,10 +72,9 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # paper 000's 0.1 (which paid the policy to claim "found" falsely) nor -0.5 for a wrong answer (which made a search
 # cut short the better bet); chosen on val over both (docs/studies/strategies.md). A small lr (5e-5; 6.7e-5 below), not 2e-4 for 20 steps: at 2e-4
 # the training reward fell in every stage (docs/studies/arithmetic.md); here it climbs, and RL's selection is done by step 25.
-# 75 steps at lr 6.7e-5, the same lr x steps as 100 at 5e-5 (chosen on val over 50, issue 44: GRPO +0.035 ± 0.024, RLOO
-# +0.037 ± 0.037 paired over 100 problems x 128 samples): from the same two SFT models, the same val and test numbers
-# as 100 steps at 5e-5, a quarter less RL work (issue 61; at 5e-5, 75 steps cost GRPO 0.03 of its val lift over five
-# runs: docs/studies/performance.md, "Fewer RL steps at a higher lr"). Micro-batches of 32 rollouts, not 64: the same loss (each adds its share
+# 75 steps at lr 6.7e-5, the lr x steps of 100 at 5e-5 (chosen on val over 50, issue 44): from two SFT models the same val
+# and test numbers as 100 steps at 5e-5, a quarter less RL work (issue 61; 75 steps at 5e-5 cost GRPO 0.03 of its val
+# lift over five runs: docs/studies/performance.md, "Fewer RL steps at a higher lr"). Micro-batches of 32 rollouts, not 64: the same loss (each adds its share
 # of the step's), an update 1.25-1.4x faster on a CPU (its cache); 16 where the RL stages train in fp32 (path.env): GRPO's
 # and OPD's fp32 update 3-7 % faster again, bf16's 2 % slower (docs/studies/performance.md). No --term_grads: each loss term's own gradient
 # (grad/<term>, docs/studies/loss_terms.md) cost a backward per term on 5 steps of each stage, ~12 s each here
