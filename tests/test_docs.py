@@ -161,6 +161,7 @@ def out_cpu(tmp_path_factory):
         rows = [{"step": s, "train/reward": 0.3, "train/zero_adv_groups": 0.2} for s in range(1, 51)]
         os.makedirs(d / "out/cpu" / name)
         (d / "out/cpu" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "out/cpu/path.env").write_text("export COUNTDOWN_CPU_BF16=0\nexport SFT_CPU_BF16=0\n")
     os.makedirs(d / "out/cpu/eval/sft")
     (d / "out/cpu/eval/sft/summary.json").write_text(json.dumps(RESULTS["sft"]))
     (d / "bin").mkdir()
