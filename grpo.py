@@ -135,7 +135,9 @@ def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl
               tis=1.0):
     """Per-token −l_it (b, T-1). logp, old_logp (π_old: the trainer's forward before the update),
     ref_logp (None if β = 0): (b, T-1); adv: (b,); tis: tis_weight's (b, T-1), or 1. Where the
-    clipped term wins the min, the token has no gradient: `clipped` marks it."""
+    clipped term wins the min, the token has no gradient: `clipped` marks it. Returns (loss (b, T-1),
+    parts), parts' (b, T-1) each: "kl" (k3), "ratio" (ρ, detached), "clipped" (1.0 or 0.0), and
+    "terms" {"pg", "kl"}: the loss's parts as Eq. 1 weighs them (StepStats.term_grads)."""
     eps_hi = epsilon_high or epsilon
     ratio = (logp - old_logp).exp()  # (b, T-1) ρ_it
     A = adv[:, None]                                                                   # (b, 1)

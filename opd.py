@@ -104,8 +104,9 @@ def opd_loss(logp, old_logp, teacher_kl, entropy, mask, adv, kl_coef, rl_coef, e
     """Algorithm 1 lines 5-9 per rollout (b,). logp, old_logp: the student's and the sampler μ's
     log-probs of the sampled tokens, both at the rollout temperature; teacher_kl: KL(teacher ‖
     student) at kd_temperature per token; entropy: the student's; all (b, T-1); mask (b, T-1);
-    adv (b,). The caller averages over rollouts. `terms`: the three parts as line 9 weights them
-    (StepStats.term_grads)."""
+    adv (b,). The caller averages over rollouts. Returns (loss (b,), parts), parts (b,) each: "pg"
+    (line 7, detached), "is_weight" w and "is_weight_raw" w before its clip, and "terms" {"kl", "pg",
+    "entropy"}: the three parts as line 9 weights them (StepStats.term_grads)."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
     logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)  # (b,) log π(y_i|x)
     w_raw = (logp_seq - old_seq).detach().exp()  # (b,) line 6, detached

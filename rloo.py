@@ -106,7 +106,9 @@ def rloo_loss(logp, old_logp, entropy, mask, adv, entropy_coef, kl_coef, is_clip
               pg_norm="sum"):
     """Eq. 3 plus the entropy bonus and the KL to μ, per rollout (b,). logp, old_logp (the sampler
     μ), entropy, mask: (b, T-1); adv: (b,). The caller sums over rollouts and divides by B·G.
-    `terms` are the loss's three parts as it weights them (StepStats.term_grads)."""
+    Returns (loss (b,), parts): parts["kl"] the per-token k3 (b, T-1), parts["is_weight"] w and
+    parts["is_weight_raw"] w before its clip (b,), parts["terms"] {"pg", "entropy", "kl"}: the
+    loss's three parts (b,) as it weights them (StepStats.term_grads: grad/pg, ...)."""
     n_tok = mask.sum(-1).clamp(min=1)                                                  # (b,)
     logp_seq, old_seq = (logp * mask).sum(-1), (old_logp * mask).sum(-1)  # (b,) log π(y_i|x)
     w, w_raw = importance_weights(logp_seq, old_seq, is_clip)

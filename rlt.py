@@ -199,7 +199,8 @@ def rlt_loss(logp, old_logp, ref_logp, mask, adv, beta, epsilon, kl_ratio=True):
     """004 Eq. 6 per rollout (b,): the PPO-clipped surrogate minus β D_KL(π_θ ‖ π_ref), averaged
     over each rollout's tokens (DeepSeekMath's seq-mean). logp, old_logp, ref_logp (or None),
     mask: (b, T-1); adv: (b,). D_KL is k3 (r = π_ref/π_θ), times ρ with kl_ratio so that its
-    gradient is KL(π_θ ‖ π_ref)'s (grpo.py)."""
+    gradient is KL(π_θ ‖ π_ref)'s (grpo.py). Returns (loss (b,), parts): parts["kl"] the per-token
+    k3 (b, T-1), parts["terms"] {"pg", "kl"}: the loss's parts (b,) (StepStats.term_grads)."""
     ratio = (logp - old_logp).exp()                                                    # (b, T-1)
     A = adv[:, None]
     surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon) * A)

@@ -1,6 +1,6 @@
 """README's exercises, run as printed: each one's commands after the section's setup lines, from the
 directory that holds the first command's out/cpu, timed, their output to out/ex/NAME.log. The
-numbers docs/instructor.md quotes are what this printed; tests/test_docs.py runs the same commands
+numbers the instructor's key quotes are what this printed; tests/test_docs.py runs the same commands
 for 2 steps each.
 
   python benchmarks/exercises.py              # every exercise, one after another

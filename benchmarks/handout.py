@@ -12,7 +12,9 @@ the twin is blanked with it: no line of an answer is left anywhere in the copy (
 makes every part's handout and checks).
 """
 import ast
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the assignment's parts (docs/assignment.md): the functions a student writes in each
 PARTS = {
-    "verifier": ["verifier.score"],
+    "verifier": ["verifier.score", "verifier.dense_score"],
     "sft": ["sft.sft_loss"],
     "ipo": ["ipo.ipo_loss", "ipo.sequence_logp", "ipo.rpo_nll"],
     "rloo": ["rloo.rloo_advantages", "rloo.importance_weights", "common.k3_kl", "rloo.rloo_loss"],
@@ -37,16 +39,23 @@ TWINS = {
     "grpo.grpo_advantages": ["rlt.grpo_advantages"],  # RLT's update is GRPO's (004 Eq. 6)
     "grpo.grpo_loss": ["rlt.rlt_loss"],
 }
-# the instructor's key: the measured answers, the rubric, the graders' own tests (with the mistakes
-# they are graded against, which quote the reference code)
-INSTRUCTOR = ["docs/instructor.md", "tests/test_graders.py"]
+# the instructor's side, left out of a handout: the key (the measured answers, the rubric), the graders'
+# own tests (with the mistakes they are graded against, which quote the reference code), the hidden
+# cases, and the tools that make handouts and grade them
+INSTRUCTOR = ["docs/instructor.md", "tests/test_graders.py", "tests/hidden_cases.py", "benchmarks/handout.py",
+              "benchmarks/grade.py", "benchmarks/gradescope/setup.sh", "benchmarks/gradescope/run_autograder"]
+LINK = re.compile(r"\[([^\]\n]*)\]\(([^)\s#]+)(#[^)\s]*)?\)")
+
+
+def function_node(source, name):
+    """The top-level `def name` of `source` (its ast node), or None."""
+    return next((n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
 
 
 def blank(source, name):
     """`source` with the top-level function `name`'s body replaced by its docstring and
     `raise NotImplementedError`, every other line as it was."""
-    fn = next((n for n in ast.parse(source).body
-               if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    fn = function_node(source, name)
     if fn is None:
         raise SystemExit(f"error: no top-level function {name}")
     lines = source.splitlines(keepends=True)
@@ -72,18 +81,35 @@ def to_blank(asked):
     return out
 
 
+def graded(parts):
+    """The functions graded in `parts` (tests/test_graded.py's table, twins included), in its
+    order: a twin blanked for a part not handed out (opd.opd_loss with RLOO's) is not among them."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_graded import GRADED
+    return [f"{e.module}.{e.function}" for e in GRADED if e.part in parts]
+
+
 def body_lines(source, name):
     """The code lines of function `name`'s body in `source`, stripped, with no comment: what a
     handout must not leave anywhere. Lines under 16 characters but spaces (`return adv`,
     `"terms": terms}`) are a function's shape, not its answer, and are left out."""
-    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    fn = function_node(source, name)
     body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
     lines = [x.split("  #")[0].strip() for x in source.splitlines()[body[0].lineno - 1:fn.end_lineno]]
     return [x for x in lines if len("".join(x.split())) >= 16 and not x.startswith("#")]
 
 
+def unlinked(text, page):
+    """A markdown page's text with each link to a file the handout leaves out made plain text."""
+    def plain(m):
+        target = os.path.normpath(os.path.join(os.path.dirname(page), m.group(2)))
+        return m.group(1) if target in INSTRUCTOR else m.group(0)
+    return LINK.sub(plain, text)
+
+
 def make(out, asked):
-    """Write the handout of `asked` to `out`; returns the qualified functions blanked."""
+    """Write the handout of `asked` to `out` (and docs/handout.json: its parts and graded
+    functions, which submit.py reads); returns the qualified functions blanked."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
     for f in files:
@@ -91,7 +117,15 @@ def make(out, asked):
             continue
         os.makedirs(os.path.join(out, os.path.dirname(f)), exist_ok=True)
         shutil.copy2(os.path.join(ROOT, f), os.path.join(out, f))
+        if f.endswith(".md"):  # no link to the key from the student's pages
+            with open(os.path.join(out, f), encoding="utf-8") as fh:
+                text = fh.read()
+            with open(os.path.join(out, f), "w", encoding="utf-8") as fh:
+                fh.write(unlinked(text, f))
     names = to_blank(asked)
+    parts = [p for p in PARTS if p in asked or any(q in PARTS[p] for q in asked)]
+    with open(os.path.join(out, "docs", "handout.json"), "w") as fh:
+        json.dump({"parts": parts, "blanked": names, "graded": graded(parts)}, fh, indent=1)
     for qualified in names:
         module, _, name = qualified.rpartition(".")
         path = os.path.join(out, module.replace(".", "/") + ".py")

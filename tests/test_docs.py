@@ -81,14 +81,9 @@ def test_every_result_in_readme_is_the_current_runs():
     assert found and not stray, f"README quotes numbers docs/results.json does not have: {stray}"
 
 
-def test_the_instructors_key_and_install_quote_the_current_run():
-    """docs/instructor.md's rows of the pipeline's own evaluations (`out/cpu/eval/...`) are the
-    current run's numbers, and install.sh quotes no result or time of its own (README has them)."""
-    known = result_numbers(RESULTS)
-    rows = [line for line in open(os.path.join(ROOT, "docs/instructor.md")).read().splitlines()
-            if line.startswith("| `out/cpu/eval/")]
-    found = [x for line in rows for x in re.findall(r"(?<![\w.])(?:\d\.\d{3}|\d+\.\d %)(?![\d.])", line)]
-    assert rows and found and not [x for x in found if x not in known], (found, known & set(found))
+def test_install_quotes_no_result_or_time_of_its_own():
+    """install.sh quotes no result or time of its own (README has them). (The instructor's key is
+    held to the runs it names by the instructor's own tests, left out of a handout with the key.)"""
     install = open(os.path.join(ROOT, "install.sh")).read()
     assert not re.findall(r"\d+(?:\.\d+)? ?(?:min|s\b|x\b|×)|twice", install), "install.sh quotes a time"
 

@@ -6,8 +6,8 @@ the property it breaks with the numbers it was called on. Grade one function (a 
 "not written yet", a blank callee as "calls X, which is not written yet"):
     python -m pytest tests/test_graded.py -k rloo_advantages -n 0
 (-n 0, not -p no:xdist: pyproject's addopts pass -n, which needs xdist loaded). The graders are
-themselves graded against blank bodies, zero stubs and typed-in mistakes by the instructor's
-tests/test_graders.py, which a handout leaves out."""
+themselves graded against blank bodies, zero stubs and typed-in mistakes by the instructor's own
+tests, which a handout leaves out with the hidden cases."""
 import importlib
 import math
 from typing import Callable, NamedTuple
@@ -44,6 +44,55 @@ def close(fn, got, want, what, atol=1e-5, hints=()):
     plain += next((f"{why}: " for value, why in hints
                    if torch.allclose(got, torch.tensor(value, dtype=torch.float64), atol=atol)), "")
     expect(fn, False, f"{plain}{what} should give {fmt(want)}, got {fmt(got)}")
+
+
+# ---- the return contract: what the scripts read of each function's result ----------------------
+class T(NamedTuple):
+    """A float32 tensor of `shape`; grad True: must carry a gradient (backward() goes through it),
+    False: must be detached, None: either."""
+    shape: tuple
+    grad: bool = None
+
+
+NUMBER = "a number"  # a Python float (or int): verifier's rewards
+
+
+def conforms(fn, got, spec, path, reads):
+    """Fails with one line naming the first part of `got` that is not `spec`'s: a missing key, a
+    shape, a dtype, a gradient. `path` names the value as a caller reads it; `reads` says who."""
+    if spec == NUMBER:
+        expect(fn, isinstance(got, (int, float)) and not isinstance(got, bool),
+               f"returns {got!r} as {path}, not a number ({reads})")
+    elif isinstance(spec, T):
+        expect(fn, isinstance(got, torch.Tensor), f"returns {type(got).__name__} as {path}, not a tensor ({reads})")
+        expect(fn, tuple(got.shape) == spec.shape, f"returns {path} of shape {tuple(got.shape)}, not {spec.shape} ({reads})")
+        expect(fn, got.dtype == torch.float32, f"returns {path} as {got.dtype}, not torch.float32 ({reads})")
+        expect(fn, spec.grad is not True or got.requires_grad, f"returns {path} detached: backward() through it "
+               f"would not reach the model ({reads})")
+        expect(fn, spec.grad is not False or not got.requires_grad, f"returns {path} still attached to the graph: "
+               f"it must be detached ({reads})")
+    elif isinstance(spec, dict):
+        expect(fn, isinstance(got, dict), f"returns {type(got).__name__} as {path}, not a dict with keys "
+               f"{', '.join(map(repr, spec))} ({reads})")
+        for key, sub in spec.items():
+            expect(fn, key in got, f"returns no key {key!r} in {path}, which has {sorted(got)} ({reads} "
+                   f"reads {', '.join(map(repr, spec))})")
+            conforms(fn, got[key], sub, f"{path}[{key!r}]", reads)
+    else:  # a tuple of (name, spec)
+        expect(fn, isinstance(got, tuple) and len(got) == len(spec), f"returns {_what(got)}, not the "
+               f"{len(spec)} values ({', '.join(n for n, _ in spec)}) that {reads} unpacks")
+        for value, (name, sub) in zip(got, spec):
+            conforms(fn, value, sub, name, reads)
+
+
+def _what(x):
+    return f"{len(x)} values" if isinstance(x, tuple) else repr(x) if not isinstance(x, torch.Tensor) else \
+        f"one tensor of shape {tuple(x.shape)}"
+
+
+def contract(fn, got, spec, reads):
+    """got (one call's result) against spec; a bare value's path is "its result"."""
+    conforms(fn, got, spec, "its result", reads)
 
 
 # ---- sft.py, ipo.py ------------------------------------------------------------------------------
@@ -277,6 +326,85 @@ def check_score(fn):
         expect(fn, got == want, f"returns {got!r} for {response!r} with [3, 5, 4] -> 32, not {want}: {rule}")
 
 
+def check_dense_score(fn):
+    for response, want, rule in [(ans("(3 + 5) * 4"), 1.0, "the target scores 1.0, as score does"),
+                                 ("(3 + 5) * 4", 0.0, "no <answer> block scores 0.0, as score does"),
+                                 (ans("(3 + 3) * 4"), 0.1, "an answer not over exactly the given numbers scores 0.1"),
+                                 (ans("3 + 5 + 4"), 0.1 + 0.5 * (1 - 20 / 32), "a valid answer with the wrong value "
+                                  "v earns 0.1 + 0.5 · (1 − |v − target| / max(1, |target|)) (paper 001): v 12, target 32"),
+                                 (ans("3 - 5 - 4"), 0.1, "a wrong value farther from the target than the target's "
+                                  "size earns 0.1, no less (the max with 0): v -6, target 32")]:
+        got = fn(response, [3, 5, 4], 32)
+        expect(fn, isinstance(got, (int, float)) and abs(got - want) < 1e-9,
+               f"returns {got!r} for {response!r} with [3, 5, 4] -> 32, not {round(want, 4)}: {rule}")
+    got = fn(ans("4 - 3 - 5"), [3, 5, 4], 0)
+    expect(fn, isinstance(got, (int, float)) and abs(got - 0.1) < 1e-9, f"returns {got!r} for "
+           f"{ans('4 - 3 - 5')!r} with [3, 5, 4] -> 0, not 0.1: a target of 0 divides by max(1, |target|) = 1, "
+           f"v -4 is 4 away: the max with 0")
+
+
+# ---- what each function's callers read of its result (checked before the values) -----------------
+def _logp(*shape):
+    """Log-probs that require grad, as a training forward's do."""
+    return (-torch.rand(*shape) - 0.1).requires_grad_()
+
+
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+LOSS = ("the loss", T((2,), True))
+CONTRACTS = {  # module.function: (its arguments, what it returns, who reads it)
+    "verifier.score": (lambda: ([ans("1 + 2"), [1, 2], 3], {}), NUMBER, "common.score_rollouts"),
+    "verifier.dense_score": (lambda: ([ans("1 + 1"), [1, 1], 3], {}), NUMBER, "common.score_rollouts"),
+    "sft.sft_loss": (lambda: ([_logp(2, 3), MASK], {}), T((), True), "sft.py's loop: loss / tokens, backward()"),
+    "ipo.ipo_loss": (lambda: ([_logp(2), _logp(2), -torch.rand(2), -torch.rand(2)], {"beta": 0.1}),
+                     (LOSS, ("the margin h", T((2,)))), "ipo.py's loop: loss, h = ipo_loss(...)"),
+    "ipo.sequence_logp": (lambda: ([_logp(2, 3), MASK, True], {}), T((2,), True), "ipo.py's pair log-probs"),
+    "ipo.rpo_nll": (lambda: ([_logp(2, 3), MASK], {}), T((2,), True), "ipo.py's loss, + α · rpo_nll"),
+    "rloo.rloo_advantages": (lambda: ([torch.tensor([[1.0, 0.0, 0.1]] * 2)], {}), T((2, 3)),
+                             "rloo.py's loop: adv.flatten()"),
+    "rloo.importance_weights": (lambda: ([_logp(2), -torch.rand(2)], {"clip": 10.0}),
+                                (("w", T((2,), False)), ("the raw w", T((2,), False))), "rloo_loss"),
+    "common.k3_kl": (lambda: ([_logp(2, 3), -torch.rand(2, 3), -torch.rand(2, 3)], {}), T((2, 3), True),
+                     "rloo_loss, grpo_loss and rlt_loss"),
+    "rloo.rloo_loss": (lambda: ([_logp(2, 3), -torch.rand(2, 3), torch.rand(2, 3, requires_grad=True), MASK,
+                                 torch.tensor([0.5, -0.5]), 1e-3, 1e-3, 10.0], {}),
+                       (LOSS, ("parts", {"kl": T((2, 3)), "is_weight": T((2,)), "is_weight_raw": T((2,)),
+                                         "terms": {"pg": T((2,), True), "entropy": T((2,), True),
+                                                   "kl": T((2,), True)}})), "rloo.py's loop"),
+    "grpo.grpo_advantages": (lambda: ([torch.tensor([[1.0, 0.0, 0.1]] * 2)], {}), T((2, 3)),
+                             "grpo.py's loop: adv.flatten()"),
+    "grpo.grpo_loss": (lambda: ([_logp(2, 3), -torch.rand(2, 3), -torch.rand(2, 3), torch.tensor([0.5, -0.5])],
+                                {"beta": 0.04, "epsilon": 0.2}),
+                       (("the per-token loss", T((2, 3), True)),
+                        ("parts", {"kl": T((2, 3)), "ratio": T((2, 3)), "clipped": T((2, 3)),
+                                   "terms": {"pg": T((2, 3), True), "kl": T((2, 3), True)}})), "grpo.py's loop"),
+    "grpo.aggregate": (lambda: ([_logp(2, 3), MASK, "token-mean", 2, 3, 3], {}), T((), True),
+                       "grpo.py's loop: backward()"),
+    "opd.opd_loss": (lambda: ([_logp(2, 3), -torch.rand(2, 3), torch.rand(2, 3, requires_grad=True),
+                               torch.rand(2, 3, requires_grad=True), MASK, torch.tensor([0.5, -0.5]), 0.5, 0.5,
+                               1e-3, 10.0], {}),
+                     (LOSS, ("parts", {"pg": T((2,)), "is_weight": T((2,)), "is_weight_raw": T((2,)),
+                                       "terms": {"kl": T((2,), True), "pg": T((2,), True),
+                                                 "entropy": T((2,), True)}})), "opd.py's loop"),
+    "rlt.reward_parts": (lambda: ([-torch.rand(2, 3), torch.rand(2, 3), torch.tensor([[0.0, 0, 1]] * 2),
+                                   torch.tensor([[1.0, 1, 0]] * 2)], {}), T((2, 4)), "rlt.score_explanations"),
+    "rlt.rlt_reward": (lambda: ([-torch.rand(2, 4), [False, True]], {"alpha": 0.01, "lam": 3.0, "penalty": -1.0}),
+                       (("r", T((2,))), ("r_SS", T((2,))), ("r_KL", T((2,)))), "rlt.py's loop: reward, r_ss, r_kl"),
+    "rlt.rlt_loss": (lambda: ([_logp(2, 3), -torch.rand(2, 3), -torch.rand(2, 3), MASK, torch.tensor([0.5, -0.5]),
+                               0.04, 0.2], {}),
+                     (LOSS, ("parts", {"kl": T((2, 3)), "terms": {"pg": T((2,), True), "kl": T((2,), True)}})),
+                     "rlt.py's loop"),
+}
+CONTRACTS["opd.rloo_advantages"] = CONTRACTS["rloo.rloo_advantages"][:2] + ("opd.py's loop: adv.flatten()",)
+CONTRACTS["rlt.grpo_advantages"] = CONTRACTS["grpo.grpo_advantages"][:2] + ("rlt.py's loop: adv.flatten()",)
+
+
+def check_contract(q, fn):
+    """fn called once as its callers call it; its result against what they read."""
+    make, spec, reads = CONTRACTS[q]
+    args, kwargs = make()
+    contract(fn, fn(*args, **kwargs), spec, reads)
+
+
 # ---- the table: each graded function, its check and its part of docs/assignment.md ---------------
 class Graded(NamedTuple):
     module: str
@@ -287,6 +415,7 @@ class Graded(NamedTuple):
 
 GRADED = [
     Graded("verifier", "score", check_score, "verifier"),
+    Graded("verifier", "dense_score", check_dense_score, "verifier"),
     Graded("sft", "sft_loss", check_sft_loss, "sft"),
     Graded("ipo", "ipo_loss", check_ipo_loss, "ipo"),
     Graded("ipo", "sequence_logp", check_sequence_logp, "ipo"),
@@ -309,9 +438,11 @@ IDS = [f"{e.module}.{e.function}" for e in GRADED]
 
 
 def grade(entry, fn):
-    """entry's check on fn. A blank body fails as not written; a function whose callee is still
-    blank says which; a crash inside the check (what fn returned did not fit) says what it was."""
+    """entry's check on fn, after its return contract (CONTRACTS: what the scripts read of it). A
+    blank body fails as not written; a function whose callee is still blank says which; a crash
+    inside the check (what fn returned did not fit) says what it was."""
     try:
+        check_contract(f"{entry.module}.{entry.function}", fn)  # every key, shape, dtype a caller reads
         return entry.check(fn)
     except NotImplementedError as e:  # the handout's stub says whose body it is: "name: write ..."
         blank = str(e).split(":")[0]

@@ -1,16 +1,22 @@
 """The instructor's side of the graded exercises (docs/instructor.md), left out of a handout: the
-graders of tests/test_graded.py graded themselves, and the handout checked for leaks.
+graders of tests/test_graded.py graded themselves, the handout checked for leaks and for holding
+together, and the grading command (benchmarks/grade.py) tried on a class of archives.
 - A blanked body fails its grader as "not written yet"; a correct function whose callee is blank
   says "calls X, which is not written yet".
 - A zero stub gets a message that first says what it returned, not a mistake it did not make.
 - A plausible mistake (MISTAKES: an edit of the reference's source, which is why this file stays
   with the instructor) fails with a message that names the property it breaks.
-- Every part's handout leaves no line of a blanked body anywhere in the student's copy.
+- Every part's handout leaves no line of a blanked body anywhere in the student's copy, and links
+  to no file it leaves out.
+- A function that returns fewer keys than the scripts read fails naming the missing one; the
+  reference passes its hidden cases, and a function fitted to the visible ones does not.
+- grade.py grades archives whose tests, verdict and summaries were edited as if they were not.
 Each builds the function from the module's source in a fresh namespace: the files are untouched."""
 import ast
 import importlib
 import json
 import os
+import re
 
 import pytest
 from conftest import ROOT
@@ -40,6 +46,8 @@ MISTAKES = {
     "rlt.reward_parts": ('kl.masked_fill(expl_mask == 0, float("-inf"))', "(kl * expl_mask)", "masked zeros"),
     "rlt.rlt_reward": ("r_ss - lam * r_kl", "r_ss + lam * r_kl", "r_SS − λ·r_KL"),
     "verifier.score": ("== target else 0.1", "== target else 0.0", "present but wrong"),
+    "verifier.dense_score": ("max(0.0, 1.0 - float(abs(value - target))", "(1.0 - float(abs(value - target))",
+                             "the max with 0"),
 }
 
 
@@ -158,33 +166,49 @@ def test_a_handout_gives_no_answer_away(part, tmp_path):
     assert not (out / "docs" / "instructor.md").exists() and not (out / "tests" / "test_graders.py").exists()
 
 
-def test_a_student_who_writes_two_functions_and_submits_gets_their_points(tmp_path):
-    """The whole handout; verifier.score and sft.sft_loss written back as a student would (their
-    reference bodies typed in); then the submit step: 12 code points, the two passed, the rest
-    not written, and the archive holds the student's files and the grades."""
+def function_source(src, name):
+    """The whole lines of function `name` in src, from `def` to its last line's comment."""
+    node = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return "".join(src.splitlines(keepends=True)[node.lineno - 1:node.end_lineno])
+
+
+def fill(out, functions, bodies=None):
+    """Write the handout's blanks of `functions` back as a student would: the reference's source
+    typed in, or bodies[q] (a whole `def`) in its place."""
+    for q in functions:
+        module, _, name = q.rpartition(".")
+        path = out / f"{module}.py"
+        src, reference_src = path.read_text(), open(os.path.join(ROOT, f"{module}.py")).read()
+        path.write_text(src.replace(function_source(src, name), (bodies or {}).get(q, "").rstrip("\n") + "\n"
+                                    if q in (bodies or {}) else function_source(reference_src, name)))
+
+
+def test_a_short_track_student_who_writes_two_functions_is_checked_on_the_short_tracks_parts(tmp_path):
+    """The short track's handout (verifier, sft, rloo); verifier.score and sft.sft_loss written back
+    as a student would; then the submit step: its local check counts the handout's parts only (10
+    of 27 points, none for parts 4-7, which the handout left written), and the archive holds the
+    student's files and runs, samples included, and no verdict of its own."""
     import subprocess
     import sys
     import tarfile
     out = tmp_path / "handout"
-    make(str(out), list(PARTS))
-    def function(src, name):
-        return ast.get_source_segment(src, next(n for n in ast.parse(src).body
-                                                if isinstance(n, ast.FunctionDef) and n.name == name))
-    for module, name in (("verifier", "score"), ("sft", "sft_loss")):
-        path = out / f"{module}.py"
-        src, reference_src = path.read_text(), open(os.path.join(ROOT, f"{module}.py")).read()
-        path.write_text(src.replace(function(src, name), function(reference_src, name)))
+    make(str(out), ["verifier", "sft", "rloo"])
+    fill(out, ["verifier.score", "sft.sft_loss"])
+    ev = out / "out" / "cpu" / "eval" / "sft"
+    ev.mkdir(parents=True)
+    (ev / "summary.json").write_text(json.dumps({"pass_at_k": {"1": 0.3}}))
+    (ev / "samples.jsonl").write_text("{}\n")
     r = subprocess.run([sys.executable, "benchmarks/submit.py", "--out", str(tmp_path / "s.tar.gz")], cwd=out,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "code points: 12 of 55" in r.stdout, r.stdout
+    assert "local check: 10 of 27 code points" in r.stdout, r.stdout
+    assert "ok   verifier.score" in r.stdout and "FAIL rloo.rloo_advantages" in r.stdout
+    assert "grpo." not in r.stdout and "opd.opd_loss" not in r.stdout, r.stdout
     with tarfile.open(tmp_path / "s.tar.gz") as tar:
         names = set(tar.getnames())
-        grades = json.load(tar.extractfile("grades.json"))
-    assert {"verifier.py", "sft.py", "rloo.py", "docs/answers.md", "grades.json"} <= names, names
-    assert grades["graded"]["verifier.score"] == grades["graded"]["sft.sft_loss"] == "passed"
-    assert "not written yet" in grades["graded"]["rloo.rloo_advantages"]
-    assert grades["graded"]["rloo.rloo_loss"].startswith("rloo_loss: ")
+    assert {"verifier.py", "sft.py", "rloo.py", "docs/answers.md", "out/cpu/eval/sft/summary.json",
+            "out/cpu/eval/sft/samples.jsonl"} <= names, names
+    assert not [n for n in names if n.endswith(("grades.json", ".xml"))], names
 
 
 def test_the_assignment_and_the_submit_step_give_the_same_points():
@@ -197,3 +221,252 @@ def test_the_assignment_and_the_submit_step_give_the_same_points():
     assert {q: found.get(q) for q in POINTS} == POINTS
     parts = re.findall(r"^## Part \d+\. .*?\((\d+) points", page, re.M)
     assert len(parts) == 7 and sum(map(int, parts)) == 100, parts
+
+
+# ---- the whole contract, and the hidden cases -----------------------------------------------------
+@pytest.mark.parametrize("q,key", [("grpo.grpo_loss", "ratio"), ("grpo.grpo_loss", "terms"),
+                                   ("rloo.rloo_loss", "kl"), ("rloo.rloo_loss", "is_weight_raw"),
+                                   ("rloo.rloo_loss", "terms")])
+def test_a_function_missing_a_key_its_script_reads_fails_naming_it(q, key):
+    """Before, grpo_loss was checked for `clipped` and `kl` and rloo_loss for `is_weight` only, and a
+    function that returned just those earned its points, then stopped its stage with a KeyError."""
+    entry = next(e for e in GRADED if f"{e.module}.{e.function}" == q)
+    reference(entry)
+
+    def drop(src, node):
+        seg = ast.get_source_segment(src, node)
+        ret = seg[seg.rindex("return "):]
+        cut = re.sub(rf'"{key}": [^,}}]+,?\s*', "", ret, count=1)
+        assert cut != ret, ret
+        return src.replace(seg, seg.replace(ret, cut))
+    message = failure(entry, variant(entry, drop))
+    assert message and message.startswith(f"{entry.function}: returns no key {key!r}"), message
+
+
+def test_the_reference_passes_every_hidden_case_and_a_function_fitted_to_the_visible_ones_does_not(tmp_path):
+    import torch
+
+    from benchmarks import grade as G
+    G.expected(IDS, 7, tmp_path / "cases.pt")
+    cases = torch.load(tmp_path / "cases.pt", weights_only=False)
+    for q in IDS:
+        module, _, name = q.rpartition(".")
+        assert len(cases[q]) >= 1
+        assert G.hidden(name, getattr(importlib.import_module(module), name), cases[q]) == "passed", q
+    import rloo
+
+    def fitted(reward, positive_weight=1.0):  # right on the visible groups of 4, zeros elsewhere
+        return rloo.rloo_advantages(reward, positive_weight) if reward.shape[1] == 4 else reward * 0
+    entry = next(e for e in GRADED if (e.module, e.function) == ("rloo", "rloo_advantages"))
+    fitted.__name__ = "rloo_advantages"
+    assert failure(entry, fitted) is None  # the visible check passes it
+    message = G.hidden("rloo_advantages", fitted, cases["rloo.rloo_advantages"])
+    assert message.startswith("rloo_advantages: hidden case 1 (rewards (5, 6)") and "should be" in message, message
+
+
+# ---- a handout that holds together ----------------------------------------------------------------
+def local_targets(root, text, page):
+    """What a page or file of `root` points at: markdown links, and (in code) docs/ paths."""
+    out = [os.path.normpath(os.path.join(os.path.dirname(page), t.split("#")[0]))
+           for t in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`\n]*`", "", text))
+           if not re.match(r"(https?|mailto):|#", t)] if page.endswith(".md") else []
+    return out + (re.findall(r"docs/[\w/.-]+\.(?:md|json|png|jsonl)", text) if not page.endswith(".md") else [])
+
+
+@pytest.mark.parametrize("part", ["all", *PARTS])
+def test_every_handout_filled_back_is_the_repo_less_the_key_and_links_to_nothing_it_leaves_out(part, tmp_path):
+    """Its blanks written back with the reference bodies, each handout's code is the repo's to the
+    byte, so its own suite runs what the repo's runs; and no page, test or script of it links to,
+    names the path of, or opens a file it leaves out (the key, the graders' tests, the hidden
+    cases, the grading tools). `pytest -m slow` runs the whole filled-back handout's suite."""
+    from benchmarks.handout import INSTRUCTOR
+    out = tmp_path / "handout"
+    names = make(str(out), list(PARTS) if part == "all" else [part])
+    fill(out, names)
+    broken, differ = [], []
+    for dirpath, _, files in os.walk(out):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), out)
+            try:
+                text = open(os.path.join(dirpath, f), encoding="utf-8").read()
+            except UnicodeDecodeError:
+                continue
+            if rel.endswith(".py") and text != open(os.path.join(ROOT, rel), encoding="utf-8").read():
+                differ.append(rel)
+            broken += [f"{rel} -> {t}" for t in local_targets(out, text, rel) if not os.path.exists(out / t)]
+            if rel.startswith("tests/"):  # no test reads or imports the instructor's side
+                imported = set(re.findall(r"(?:^|\n)\s*(?:from|import)\s+(?:benchmarks\.)?(\w+)", text))
+                broken += [f"{rel} names {x}" for x in INSTRUCTOR if x in text]
+                broken += [f"{rel} imports {m}" for m in imported & {"test_graders", "hidden_cases", "grade", "handout"}]
+    assert not differ, f"filled back, these differ from the repo's: {differ}"
+    assert not broken, "\n".join(broken)
+    assert json.load(open(out / "docs" / "handout.json"))["blanked"] == names
+
+
+@pytest.mark.slow
+def test_the_whole_handout_filled_back_passes_its_own_suite(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "handout"
+    fill(out, make(str(out), list(PARTS)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"], cwd=out,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:]
+
+
+# ---- the grading command, tried on a class ----------------------------------------------------------
+def samples_of(right_per_problem):
+    """The test split's problems, 16 samples each, the first right_per_problem(i) right (the solver's
+    answer), the others a wrong one: evaluate.py's samples.jsonl, and its pass@1."""
+    import verifier
+    from benchmarks.grade import NUM_SAMPLES, TEST_DATA
+    from plumbing.tasks import load_tasks
+    rows, right = [], 0
+    for i, t in enumerate(load_tasks(TEST_DATA, "test")):
+        c = right_per_problem(i)
+        good = f" tries.\n</think>\n<answer>{verifier.solve(t['nums'], t['target'])}</answer>"
+        bad = f" tries.\n</think>\n<answer>{' + '.join(map(str, t['nums']))} + 1</answer>"
+        completions = [good] * c + [bad] * (NUM_SAMPLES - c)
+        rows.append({"nums": t["nums"], "target": t["target"], "completions": completions,
+                     "scores": [1.0] * c + [0.1] * (NUM_SAMPLES - c)})
+        right += c
+    return "".join(json.dumps(r) + "\n" for r in rows), right / (len(rows) * NUM_SAMPLES)
+
+
+HANG = '''def sft_loss(logp, mask):
+    """mine"""
+    while True:
+        pass
+'''
+CRASH_LATER = '''def dense_score(response, numbers, target):
+    """mine: right on every case, a KeyError in a branch no case takes (a 1 among the numbers and
+    a target over 40: the rloo stage's first problem)"""
+    if 1 in numbers and target > 40:
+        return {}["a branch never tried"]
+    sparse = score(response, numbers, target)
+    if sparse != 0.1:
+        return sparse
+    value = evaluate_expression(extract_answer(response), numbers)
+    if value is None:
+        return 0.1
+    return 0.1 + 0.5 * max(0.0, 1.0 - float(abs(value - target)) / max(1, abs(target)))
+'''
+
+
+def test_grading_a_class_trusts_no_verdict_summary_or_test_the_students_send(tmp_path):
+    """The short track's first two parts handed out; five archives graded in one command:
+    alice, written honestly; bob, the same work with tests/test_graded.py gutted and a grades.json
+    claiming every point; carol, the same work with its summary.json raised to 0.9; dave, whose
+    sft_loss hangs and whose dense_score passes every case but crashes the rloo stage in a branch
+    no case takes; and a file that is no archive. alice, bob and carol get the same grade (carol flagged),
+    dave loses the two functions with one line each, the broken file costs only its own points."""
+    import csv
+    import subprocess
+    import sys
+    import tarfile
+    out = tmp_path / "handout"
+    make(str(out), ["verifier", "sft"])
+    fill(out, ["verifier.score", "verifier.dense_score", "sft.sft_loss"])
+    samples, pass1 = samples_of(lambda i: 4 + (i % 4 == 0))  # 0.266: inside sft's target
+    ev = out / "out" / "cpu" / "eval" / "sft"
+    ev.mkdir(parents=True)
+    (ev / "samples.jsonl").write_text(samples)
+    (ev / "summary.json").write_text(json.dumps({"pass_at_k": {"1": pass1}}))
+    files = ["verifier.py", "sft.py", "docs/answers.md", "out/cpu/eval/sft/samples.jsonl", "out/cpu/eval/sft/summary.json"]
+
+    def pack(name, extra=()):
+        with tarfile.open(tmp_path / f"{name}.tar.gz", "w:gz") as tar:
+            for f in [*files, *extra]:
+                tar.add(out / f, arcname=f)
+        return str(tmp_path / f"{name}.tar.gz")
+    archives = [pack("alice")]
+    (out / "tests" / "test_graded.py").write_text("def test_graded():\n    pass\n")
+    (out / "grades.json").write_text(json.dumps({"code_points_total": 55, "graded": {}}))
+    archives.append(pack("bob", ["tests/test_graded.py", "grades.json"]))
+    (ev / "summary.json").write_text(json.dumps({"pass_at_k": {"1": 0.9}}))
+    archives.append(pack("carol"))
+    (ev / "summary.json").write_text(json.dumps({"pass_at_k": {"1": pass1}}))
+    fill(out, ["sft.sft_loss", "verifier.dense_score"], {"sft.sft_loss": HANG, "verifier.dense_score": CRASH_LATER})
+    archives.append(pack("dave"))
+    (tmp_path / "eve.tar.gz").write_bytes(b"not an archive")
+    archives.append(str(tmp_path / "eve.tar.gz"))
+    r = subprocess.run([sys.executable, "benchmarks/grade.py", *archives, "--parts", "verifier", "sft", "--out",
+                        str(tmp_path / "grades"), "--limit", "5", "--jobs", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["submission"]: row for row in csv.DictReader(open(tmp_path / "grades" / "grades.csv"))}
+    assert list(rows) == ["alice", "bob", "carol", "dave", "eve"], r.stdout
+    same = lambda row: {k: v for k, v in row.items() if k not in ("submission", "flags")}  # noqa: E731
+    assert same(rows["alice"]) == same(rows["bob"]) == same(rows["carol"]), rows
+    assert rows["alice"]["code_points"] == "12" and rows["alice"]["code_possible"] == "12", rows["alice"]
+    assert rows["alice"]["run_points"] == "4" and rows["alice"]["run_possible"] == "4"
+    assert rows["alice"]["pass@1 sft"] == f"{pass1:.3f}" and rows["alice"]["written_points"] == ""
+    carol = (tmp_path / "grades" / "carol.txt").read_text()
+    assert "FLAGGED" in carol and "says pass@1 0.9" in carol, carol
+    dave = (tmp_path / "grades" / "dave.txt").read_text()
+    assert rows["dave"]["code_points"] == "4" and rows["dave"]["verifier.score"] == "pass", dave
+    assert "FAIL sft.sft_loss: sft_loss: over its 5 s limit" in dave, dave
+    assert "FAIL verifier.dense_score: dense_score: rloo.py stopped in it in 2 steps: KeyError" in dave, dave
+    assert rows["eve"]["code_points"] == "0" and "not a readable .tar.gz" in r.stdout, r.stdout
+
+
+def test_gradescope_results_follow_its_format_and_the_autograder_zip_holds_the_key(tmp_path):
+    """results.json as Gradescope reads it (tests with name, score, max_score, output, visibility;
+    points after publishing, the visible verdict at once), and the zip its autograder is built from."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from benchmarks.grade import gradescope
+    r = {"submission": "s", "code_points": 4, "code_possible": 12, "run_points": 4, "run_possible": 4,
+         "functions": {"verifier.score": {"ok": True, "line": "passed", "visible": "passed"},
+                       "verifier.dense_score": {"ok": False, "line": "dense_score: hidden case 2 (...): ...",
+                                                "visible": "passed"},
+                       "sft.sft_loss": {"ok": False, "line": "sft_loss: over its 20 s limit", "visible":
+                                        "sft_loss: over its 20 s limit"}},
+         "lines": ["run sft: 4 of 4: pass@1 0.266, target 0.22-0.32"], "flags": [], "runs": {"sft": 0.266}}
+    res = gradescope(r)
+    assert set(res) <= {"score", "tests", "output", "visibility", "stdout_visibility", "execution_time"}
+    for t in res["tests"]:
+        assert {"name", "score", "max_score", "output", "visibility"} <= set(t), t
+        assert isinstance(t["name"], str) and isinstance(t["output"], str)
+        assert isinstance(t["score"], (int, float)) and isinstance(t["max_score"], (int, float))
+        assert t["visibility"] in ("hidden", "after_due_date", "after_published", "visible") and t["score"] <= t["max_score"]
+    assert sum(t["max_score"] for t in res["tests"]) == 16 and sum(t["score"] for t in res["tests"]) == 8
+    assert all(t["visibility"] == "after_published" for t in res["tests"] if t["max_score"])
+    hidden_fail = next(t for t in res["tests"] if t["name"] == "verifier.dense_score: the visible check")
+    assert hidden_fail["output"] == "passed" and hidden_fail["visibility"] == "visible"  # nothing of a hidden case
+    z = subprocess.run([sys.executable, "benchmarks/grade.py", "--autograder", str(tmp_path / "a.zip"), "--parts",
+                        "verifier", "sft"], cwd=ROOT, capture_output=True, text=True)
+    assert z.returncode == 0, z.stderr
+    names = zipfile.ZipFile(tmp_path / "a.zip").namelist()
+    assert {"setup.sh", "run_autograder", "parts.txt", "countdown/benchmarks/grade.py",
+            "countdown/tests/hidden_cases.py", "countdown/install.sh"} <= set(names)
+    assert zipfile.ZipFile(tmp_path / "a.zip").read("parts.txt").decode().split() == ["verifier", "sft"]
+
+
+def test_the_assignments_targets_are_every_fresh_runs_widened():
+    """docs/assignment.md's targets are benchmarks/grade.py's (every run in docs/fresh_runs.json,
+    widened by 0.03, rounded outward), its fresh-run ranges are the runs', and their count too."""
+    from benchmarks.grade import targets
+    from plumbing.report import fresh_runs
+    page = open(os.path.join(ROOT, "docs/assignment.md")).read()
+    runs = fresh_runs()
+    assert f"spread of the {len(runs)} fresh-clone runs" in page
+    for stage, (low, high) in targets().items():
+        values = [r["pass@1"][stage] for r in runs]
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{stage}` |"))
+        assert f"{min(values):.3f} – {max(values):.3f}" in row and f"{low:.2f} – {high:.2f}" in row, (stage, row)
+
+
+def test_the_instructors_key_quotes_runs_it_can_name():
+    """docs/instructor.md's rows of a pipeline's own evaluations (`out/cpu/eval/...`) quote pass@k
+    of a run in docs/fresh_runs.json or the current one (the exercises start from a fresh clone's
+    out/cpu); its mistake shares are that run's own, from its summary.json, not kept in the repo."""
+    from plumbing.report import fresh_runs
+    current = json.load(open(os.path.join(ROOT, "docs/results.json")))
+    known = {f"{v:.3f}" for r in fresh_runs() for k in ("pass@1", "pass@16") for v in r[k].values()}
+    known |= {f"{v:.3f}" for r in current.values() for v in r["pass_at_k"].values()}
+    rows = [line for line in open(os.path.join(ROOT, "docs/instructor.md")).read().splitlines()
+            if line.startswith("| `out/cpu/eval/")]
+    found = [x for line in rows for x in re.findall(r"(?<![\w.])\d\.\d{3}(?![\d.%])", line)]
+    assert rows and found and not [x for x in found if x not in known], found
