@@ -108,7 +108,7 @@ def unlinked(text, page):
 
 
 def make(out, asked):
-    """Write the handout of `asked` to `out` (and docs/handout.json: its parts and graded
+    """Write the handout of `asked` to `out` (and handout.json in its docs/: the parts and graded
     functions, which submit.py reads); returns the qualified functions blanked."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()

@@ -8,7 +8,7 @@ stage's metrics.jsonl and test evaluation (summary.json and samples.jsonl: the s
 run is graded on). The instructor grades it with their own graders, visible and hidden cases, and
 re-scores the samples (benchmarks/grade.py, which stays with them): nothing the student's copy
 computes is a grade. What this prints is the local check, tests/test_graded.py as handed out, for
-the parts of the handout (docs/handout.json). Exit 0 even when checks fail: a partial submission
+the parts of the handout (handout.json in docs/). Exit 0 even when checks fail: a partial submission
 is a submission.
 """
 import argparse
@@ -57,7 +57,7 @@ def grades(report, timeout=300):
 
 
 def handed_out():
-    """The graded functions of this handout's parts (docs/handout.json, which handout.py writes);
+    """The graded functions of this handout's parts (handout.json in docs/, which handout.py writes);
     every one in a full copy of the repo."""
     try:
         return set(json.load(open(os.path.join(ROOT, "docs", "handout.json")))["graded"])

@@ -70,6 +70,31 @@ def test_every_fresh_run_is_in_docs_results_md():
             assert not missing, f"{run['run']}: {k} of {missing} not in docs/results.md's {where} section"
 
 
+def test_readme_findings_hold_in_every_fresh_run():
+    """What README says holds "in every one of those runs" is computed from docs/fresh_runs.json: a
+    run added there that breaks a range fails here until README says so."""
+    text = section(README, "What you should see")
+
+    def span(f):
+        values = [f(r["pass@1"], r["pass@16"]) for r in RUNS]
+        return min(values), max(values)
+    gain = {s: span(lambda p1, p16: p1[s] - p1["sft"]) for s in ("rloo", "grpo", "ipo")}
+    breadth_lost = span(lambda p1, p16: p16["sft"] - p16["rloo"])
+    opd_breadth = span(lambda p1, p16: p16["opd"] - p16["rloo"])
+    opd_p1 = span(lambda p1, p16: p1["opd"] - p1["rloo"])
+    grpo_above = sum(r["pass@16"]["grpo"] > r["pass@16"]["rloo"] for r in RUNS)
+    claims = [f"RLOO +{gain['rloo'][0]:.3f} to +{gain['rloo'][1]:.3f}",
+              f"GRPO +{gain['grpo'][0]:.3f} to +{gain['grpo'][1]:.3f} over SFT",
+              f"(+{gain['ipo'][0]:.3f} to +{gain['ipo'][1]:.3f})",
+              f"falls below SFT's ({breadth_lost[0]:.3f} to {breadth_lost[1]:.3f})",
+              f"(in {grpo_above} of the {len(RUNS)} runs)",
+              f"pass@16 +{opd_breadth[0]:.3f} to +{opd_breadth[1]:.3f} over RLOO's",
+              f"near RLOO's ({opd_p1[0]:+.3f} to {opd_p1[1]:+.3f})".replace("-", "−")]
+    assert breadth_lost[0] > 0 and opd_breadth[0] > 0 and min(g[0] for g in gain.values()) > 0
+    missing = [c for c in claims if c not in text]
+    assert not missing, f"README's findings do not say what every fresh run shows: {missing}"
+
+
 def test_every_result_in_readme_is_the_current_runs():
     """Outside the H100 walkthrough (the papers' numbers), a number with three decimals or a
     percentage with one is a result: it must be docs/results.json's, or a difference of two of its
@@ -112,8 +137,8 @@ def test_every_link_in_readme_and_docs_resolves():
     pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs/**/*.md"), recursive=True)
     broken = [f"{os.path.relpath(p, ROOT)}: {t}" for p in pages for t in markdown_links(p)
               if not os.path.exists(os.path.join(os.path.dirname(p), t))]
-    code = [p for pattern in ("*.py", "*.sh", "tests/*.py", "benchmarks/*", "pretrained/*/README.md")
-            for p in glob.glob(os.path.join(ROOT, pattern))]
+    code = [p for pattern in ("*.py", "*.sh", "tests/*.py", "benchmarks/**/*", "pretrained/*/README.md")
+            for p in glob.glob(os.path.join(ROOT, pattern), recursive=True) if os.path.isfile(p)]
     broken += [f"{os.path.relpath(p, ROOT)}: {t}" for p in code
                for t in re.findall(r"docs/[\w/.-]+\.(?:md|json|png|jsonl)", open(p).read())
                if not os.path.exists(os.path.join(ROOT, t))]
