@@ -68,7 +68,9 @@ STAGES = {"verifier": ["rloo"], "sft": ["sft"], "ipo": ["ipo"], "rloo": ["rloo",
           "opd": ["opd"], "rlt": ["rlt"]}
 # names a graded function has no need of: its body is shown to the instructor when it uses one
 SUSPECT = {"os", "sys", "subprocess", "signal", "builtins", "importlib", "pytest", "test_graded", "hidden_cases",
-           "__import__", "exec", "eval", "compile", "open", "globals", "setattr", "sys.modules", "inspect"}
+           "__import__", "exec", "eval", "compile", "open", "globals", "setattr", "modules", "inspect"}
+LESSON_MODULES = {"torch", "math", "re", "fractions", "itertools", "functools", "collections", "operator", "ast",
+                  "verifier", "common"}
 
 
 class Bad(Exception):
@@ -87,13 +89,14 @@ def members(archive):
         with tarfile.open(archive) as tar:
             out = {}
             for m in tar.getmembers():
-                if m.name.startswith(("/", "..")) or ".." in m.name.split("/") or m.issym() or m.islnk():
+                if m.name.startswith("/") or ".." in m.name.split("/") or m.issym() or m.islnk():
                     raise Bad(f"the archive holds {m.name!r}, a path outside it or a link")
-                wanted = m.name in FILES or m.name.endswith(("/summary.json", "/samples.jsonl"))
+                name = m.name.removeprefix("./")
+                wanted = name in FILES or name.endswith(("/summary.json", "/samples.jsonl"))
                 if wanted and m.isfile() and m.size > 50 * 2 ** 20:
                     raise Bad(f"the archive's {m.name} is {m.size >> 20} MB: more than any submission's")
                 if wanted and m.isfile():
-                    out[m.name] = tar.extractfile(m).read().decode("utf-8", "replace")
+                    out[name] = tar.extractfile(m).read().decode("utf-8", "replace")
             return out
     except (tarfile.TarError, OSError, EOFError) as e:
         raise Bad(f"not a readable .tar.gz ({type(e).__name__}: {e}): make it with benchmarks/submit.py") from None
@@ -111,8 +114,7 @@ def splice(ours, theirs, name):
     if node is None:
         raise Bad("no top-level function of that name in the student's file")
     body = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
-    lines = theirs.splitlines(keepends=True)
-    student = textwrap.dedent("".join(lines[body[0].lineno - 1:node.end_lineno]))
+    student = "".join(ast.unparse(stmt) + "\n" for stmt in body)  # the code, at any indent, comments dropped
     mine = function_node(ours, name)
     keep = mine.body[1:] if ast.get_docstring(mine) is not None else mine.body
     our_lines = ours.splitlines(keepends=True)
@@ -122,10 +124,13 @@ def splice(ours, theirs, name):
 
 
 def suspect(body):
-    """The SUSPECT names a body uses (an import of anything, sys, open, ...): flagged, not failed."""
-    words = set(re.findall(r"[A-Za-z_][\w.]*", re.sub(r"#.*", "", body)))
-    found = sorted(words & SUSPECT)
-    return found + (["import"] if re.search(r"^\s*(import|from)\s", body, re.M) else [])
+    """The SUSPECT names a body uses, and the modules it imports beyond a lesson's: flagged, not failed."""
+    import ast
+    nodes = list(ast.walk(ast.parse(body)))
+    names = {n.id for n in nodes if isinstance(n, ast.Name)} | {n.attr for n in nodes if isinstance(n, ast.Attribute)}
+    imported = {a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in nodes if isinstance(n, ast.ImportFrom) and n.module}
+    return sorted(names & SUSPECT) + [f"import {m}" for m in sorted(imported - LESSON_MODULES)]
 
 
 def repo_files():
@@ -464,7 +469,8 @@ def grade_runs(files, parts):
 
 # ---- one submission, then the class -----------------------------------------------------------------
 def grade_one(archive, parts, cases_path, limit):
-    """One archive's grade: {"submission", "functions": {q: (passed, line)}, "code_points", ...}."""
+    """One archive's grade: {"submission", "functions": {q: {"ok", "line", "visible"}}, "code_points",
+    "code_possible", "run_points", "run_possible", "runs": {stage: pass@1}, "lines", "flags"}."""
     name = os.path.basename(archive)
     name = name[:-7] if name.endswith(".tar.gz") else os.path.splitext(name)[0]
     functions = graded(parts)
@@ -519,11 +525,13 @@ def grade_one(archive, parts, cases_path, limit):
 
 def run_here(copy, args, env, timeout):
     """This file's worker or stage runner in the copy, killed (with its children) at `timeout`."""
+    proc = subprocess.Popen([sys.executable, os.path.join(copy, "benchmarks", "grade.py"), *args], cwd=copy, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        subprocess.run([sys.executable, os.path.join(copy, "benchmarks", "grade.py"), *args], cwd=copy, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        pass  # what it wrote before stands; the rest is reported as not graded
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # what it wrote before stands; the rest is reported as not graded
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def read_lines(path):
