@@ -26,7 +26,6 @@ import argparse
 import concurrent.futures
 import csv
 import functools
-import io
 import json
 import os
 import re
@@ -46,7 +45,7 @@ from benchmarks.submit import FILES, POINTS, TWIN_OF  # noqa: E402
 
 # part -> (the pipeline stage whose test evaluation is graded, its points: docs/assignment.md)
 RUNS = {"sft": ("sft", 4), "rloo": ("rloo", 4), "grpo": ("grpo", 3), "ipo": ("ipo", 2), "opd": ("opd", 2)}
-TEST_DATA, NUM_PROBLEMS, NUM_SAMPLES = "gen:nums=3,range=1-20,test=200,val=100", 200, 16  # run_cpu.sh's
+TEST_DATA, NUM_SAMPLES = "gen:nums=3,range=1-20,test=200,val=100", 16  # run_cpu.sh's evaluation
 MARGIN = 0.10  # rloo and grpo: at least this much pass@1 over the student's own sft (docs/assignment.md)
 # the 2-step run of each part's stages: the tests' tiny settings, the shipped models
 GEN = "gen:nums=3,range=1-9,test=20,val=8"

@@ -447,8 +447,9 @@ def test_gradescope_results_follow_its_format_and_the_autograder_zip_holds_the_k
 def test_the_assignments_targets_are_every_fresh_runs_widened():
     """docs/assignment.md's targets are benchmarks/grade.py's (every run in docs/fresh_runs.json,
     widened by 0.03, rounded outward), its fresh-run ranges are the runs', and their count too."""
-    from benchmarks.grade import targets
+    from benchmarks.grade import TEST_DATA, targets
     from plumbing.report import fresh_runs
+    assert f'DATA="{TEST_DATA}"' in open(os.path.join(ROOT, "run_cpu.sh")).read()  # the split the runs are graded on
     page = open(os.path.join(ROOT, "docs/assignment.md")).read()
     runs = fresh_runs()
     assert f"spread of the {len(runs)} fresh-clone runs" in " ".join(page.split())
@@ -470,3 +471,22 @@ def test_the_instructors_key_quotes_runs_it_can_name():
             if line.startswith("| `out/cpu/eval/")]
     found = [x for line in rows for x in re.findall(r"(?<![\w.])\d\.\d{3}(?![\d.%])", line)]
     assert rows and found and not [x for x in found if x not in known], found
+
+
+@pytest.mark.slow
+def test_the_reference_files_earn_every_code_point_every_stage_running(tmp_path):
+    """The repo's own files as a submission of every part: 55 of 55, each stage's 2-step run (sft,
+    ipo, rloo, grpo, opd, rlt) going through with grade.py's flags."""
+    import csv
+    import subprocess
+    import sys
+    import tarfile
+    from benchmarks.submit import FILES
+    with tarfile.open(tmp_path / "key.tar.gz", "w:gz") as tar:
+        for f in FILES:
+            tar.add(os.path.join(ROOT, f), arcname=f)
+    r = subprocess.run([sys.executable, "benchmarks/grade.py", str(tmp_path / "key.tar.gz"), "--out", str(tmp_path / "g")],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(csv.DictReader(open(tmp_path / "g" / "grades.csv")))
+    assert (row["code_points"], row["code_possible"]) == ("55", "55"), (tmp_path / "g" / "key.txt").read_text()
