@@ -12,9 +12,9 @@ Per archive, in a process of its own:
      key, shape and dtype the scripts read) and the hidden cases of tests/hidden_cases.py, held to
      what the reference functions here return on them, values and gradients; each under a time
      limit (--limit seconds): a hang costs that function, and the batch goes on.
-  3. Each handed-out stage runs for 2 steps on the tiny model with the student's functions; a crash
-     is the failure of the graded function it happened in, or, outside one, of the one that
-     returned last (what it returned is what the script could not use).
+  3. Each handed-out stage runs for 2 steps on the tiny model with the student's functions that
+     passed; a crash is the failure of the graded function it happened in, or, outside one, of
+     the one that returned last (what it returned is what the script could not use).
   4. Each stage's run is re-scored from its packed test samples with this repo's verifier: the
      test split's problems, 16 samples each, pass@1 against docs/assignment.md's target. A
      summary.json that disagrees with its samples is flagged, not believed.
@@ -50,14 +50,14 @@ MARGIN = 0.10  # rloo and grpo: at least this much pass@1 over the student's own
 # the 2-step run of each part's stages: the tests' tiny settings, the shipped models
 GEN = "gen:nums=3,range=1-9,test=20,val=8"
 SMALL = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "2", "--eval_samples", "2",
-         "--eval_max_new_tokens", "8", "--max_steps", "2", "--overwrite"]
-RL = SMALL + ["--batch_size", "2", "--group_size", "3", "--micro_batch", "3", "--max_response_len", "12",
+         "--eval_max_new_tokens", "8", "--overwrite"]
+RL = SMALL + ["--max_steps", "2", "--batch_size", "2", "--group_size", "3", "--micro_batch", "3", "--max_response_len", "12",
               "--lr", "1e-3", "--term_grads"]
 BASE, TEACHER = "pretrained/tiny-base", "pretrained/tiny-teacher"
 STAGE_ARGS = {
-    "sft": ["--init", BASE, *SMALL, "--batch_size", "4", "--micro_batch", "4", "--no-compile"],
-    "ipo": ["--init", BASE, *SMALL, "--num_prompts", "4", "--group_size", "2", "--max_new_tokens", "4",
-            "--batch_size", "2", "--micro_batch", "2"],
+    "sft": ["--init", BASE, *SMALL, "--max_steps", "2", "--batch_size", "4", "--micro_batch", "4", "--no-compile"],
+    "ipo": ["--init", BASE, *SMALL, "--pairs", "solver", "--num_prompts", "4", "--batch_size", "2",
+            "--micro_batch", "2"],  # one epoch of the solver's pairs (an untrained model has no right samples): 2 steps
     "rloo": ["--init", BASE, *RL, "--reward", "dense"],  # dense_score calls score: the verifier's both
     "grpo": ["--init", BASE, *RL, "--beta", "0.04"],
     "opd": ["--init", BASE, "--teacher", TEACHER, *RL],
@@ -499,19 +499,25 @@ def grade_one(archive, parts, cases_path, limit):
                                                   f"process was killed at the submission's limit)"})
         failed = {q: v.get("visible") if v.get("visible") != "passed" else v.get("hidden", "not graded")
                   for q, v in verdicts.items() if v.get("visible") != "passed" or v.get("hidden") != "passed"}
-        scripts = list(dict.fromkeys(s for p in parts for s in STAGES[p]))  # each once, every student function
-        for script in scripts:
-            if any(q in failed for p in parts if script in STAGES[p] for q in graded([p])):
-                continue  # a function it calls failed already: its run would say no more
+        # the stages, in a copy with the student's bodies of the functions that passed so far (the
+        # reference's where one failed: each passing function is still run by its stage)
+        passing = [q for q in functions if q not in failed]
+        staged = os.path.join(tmp, "staged")
+        build(files, passing, staged)
+        for script in dict.fromkeys(s for p in parts for s in STAGES[p]):  # each script once
+            mine = [q for p in parts if script in STAGES[p] for q in graded([p]) if q in passing]
+            if not mine:
+                continue
             slog, out_dir = os.path.join(tmp, f"stage-{script}.jsonl"), os.path.join(tmp, f"run-{script}")
-            run_here(copy, ["--stage", script, "--blame", ",".join(functions), "--limit", str(limit * 9),
-                            "--result", slog, "--argv", json.dumps(STAGE_ARGS[script] + ["--output_dir", out_dir])],
+            run_here(staged, ["--stage", script, "--blame", ",".join(passing), "--limit", str(limit * 9),
+                              "--result", slog, "--argv", json.dumps(STAGE_ARGS[script] + ["--output_dir", out_dir])],
                      env, limit * 9 + 60)
             outcome = (read_lines(slog) or [{"ok": False, "blame": None,
                                              "line": f"{script}.py was killed at its time limit"}])[0]
-            if not outcome["ok"]:  # outside any function of the student's: the first of the script's parts
-                who = outcome["blame"] or next(q for p in parts if script in STAGES[p] for q in graded([p]))
-                failed.setdefault(who, f"{who.rpartition('.')[2]}: {outcome['line']}")
+            if not outcome["ok"] and outcome["blame"]:
+                failed.setdefault(outcome["blame"], f"{outcome['blame'].rpartition('.')[2]}: {outcome['line']}")
+            elif not outcome["ok"]:  # before any of the student's functions returned: ours to fix, not theirs
+                result["lines"].append(f"{name}: GRADER ERROR, no points lost: {outcome['line']}")
         for q in functions:
             result["functions"][q] = {"ok": q not in failed, "line": failed.get(q, "passed"),
                                       "visible": verdicts[q].get("visible")}

@@ -1,7 +1,8 @@
-"""A course's handout: a copy of this repo (its git-tracked files, the instructor's key left out) in
-which the graded functions of the parts asked for keep their signature and docstring and lose their
-body, for students to write. tests/test_graded.py grades each; docs/assignment.md is the students'
-page, docs/instructor.md the key that stays with the instructor.
+"""A course's handout: a copy of this repo (its git-tracked files, the instructor's side left out:
+INSTRUCTOR) in which the graded functions of the parts asked for keep their signature and docstring
+and lose their body, for students to write. tests/test_graded.py checks each on the visible cases;
+docs/assignment.md is the students' page, docs/instructor.md the key that stays with the instructor,
+benchmarks/grade.py the grading on the instructor's side.
 
   python benchmarks/handout.py ../handout                 # every part
   python benchmarks/handout.py ../handout rloo grpo       # some parts (or module.function names)
@@ -141,4 +142,5 @@ if __name__ == "__main__":
         raise SystemExit(__doc__)
     blanked = make(sys.argv[1], sys.argv[2:] or list(PARTS))
     print(f"blanked {len(blanked)} functions: {', '.join(blanked)}")
-    print(f"wrote {sys.argv[1]}: grade with `python -m pytest tests/test_graded.py -n 0` there")
+    print(f"wrote {sys.argv[1]}: students check with `python -m pytest tests/test_graded.py -n 0` there and "
+          f"submit with benchmarks/submit.py; grade their archives here with benchmarks/grade.py")

@@ -490,3 +490,4 @@ def test_the_reference_files_earn_every_code_point_every_stage_running(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(csv.DictReader(open(tmp_path / "g" / "grades.csv")))
     assert (row["code_points"], row["code_possible"]) == ("55", "55"), (tmp_path / "g" / "key.txt").read_text()
+    assert "GRADER ERROR" not in r.stdout, r.stdout  # each stage's flags run
