@@ -491,3 +491,17 @@ def test_the_reference_files_earn_every_code_point_every_stage_running(tmp_path)
     row = next(csv.DictReader(open(tmp_path / "g" / "grades.csv")))
     assert (row["code_points"], row["code_possible"]) == ("55", "55"), (tmp_path / "g" / "key.txt").read_text()
     assert "GRADER ERROR" not in r.stdout, r.stdout  # each stage's flags run
+
+
+@pytest.mark.parametrize("q", ["sft.sft_loss", "rloo.rloo_loss", "grpo.grpo_loss", "grpo.aggregate", "opd.opd_loss"])
+def test_a_loss_returned_detached_fails_its_contract(q):
+    """The right values with no gradient: backward() would never reach the model."""
+    entry = next(e for e in GRADED if f"{e.module}.{e.function}" == q)
+    ref = reference(entry)
+
+    def detached(*args, **kwargs):
+        out = ref(*args, **kwargs)
+        return (out[0].detach(), *out[1:]) if isinstance(out, tuple) else out.detach()
+    detached.__name__ = entry.function
+    message = failure(entry, detached)
+    assert message and message.startswith(f"{entry.function}: returns ") and "detached" in message, message
