@@ -46,6 +46,7 @@ from benchmarks.submit import FILES, POINTS, TWIN_OF  # noqa: E402
 # part -> (the pipeline stage whose test evaluation is graded, its points: docs/assignment.md)
 RUNS = {"sft": ("sft", 4), "rloo": ("rloo", 4), "grpo": ("grpo", 3), "ipo": ("ipo", 2), "opd": ("opd", 2)}
 TEST_DATA, NUM_SAMPLES = "gen:nums=3,range=1-20,test=200,val=100", 16  # run_cpu.sh's evaluation
+STAGE_LIMIT = 180  # seconds a stage's 2-step run may take (they take 7-20 s on 2 cores)
 MARGIN = 0.10  # rloo and grpo: at least this much pass@1 over the student's own sft (docs/assignment.md)
 # the 2-step run of each part's stages: the tests' tiny settings, the shipped models
 GEN = "gen:nums=3,range=1-9,test=20,val=8"
@@ -509,9 +510,9 @@ def grade_one(archive, parts, cases_path, limit):
             if not mine:
                 continue
             slog, out_dir = os.path.join(tmp, f"stage-{script}.jsonl"), os.path.join(tmp, f"run-{script}")
-            run_here(staged, ["--stage", script, "--blame", ",".join(passing), "--limit", str(limit * 9),
+            run_here(staged, ["--stage", script, "--blame", ",".join(passing), "--limit", str(STAGE_LIMIT),
                               "--result", slog, "--argv", json.dumps(STAGE_ARGS[script] + ["--output_dir", out_dir])],
-                     env, limit * 9 + 60)
+                     env, STAGE_LIMIT + 60)
             outcome = (read_lines(slog) or [{"ok": False, "blame": None,
                                              "line": f"{script}.py was killed at its time limit"}])[0]
             if not outcome["ok"] and outcome["blame"]:

@@ -391,7 +391,7 @@ def test_grading_a_class_trusts_no_verdict_summary_or_test_the_students_send(tmp
     (tmp_path / "eve.tar.gz").write_bytes(b"not an archive")
     archives.append(str(tmp_path / "eve.tar.gz"))
     r = subprocess.run([sys.executable, "benchmarks/grade.py", *archives, "--parts", "verifier", "sft", "--out",
-                        str(tmp_path / "grades"), "--limit", "5", "--jobs", "2"], cwd=ROOT, capture_output=True, text=True)
+                        str(tmp_path / "grades"), "--limit", "3", "--jobs", "2"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["submission"]: row for row in csv.DictReader(open(tmp_path / "grades" / "grades.csv"))}
     assert list(rows) == ["alice", "bob", "carol", "dave", "eve"], r.stdout
@@ -404,7 +404,7 @@ def test_grading_a_class_trusts_no_verdict_summary_or_test_the_students_send(tmp
     assert "FLAGGED" in carol and "says pass@1 0.9" in carol, carol
     dave = (tmp_path / "grades" / "dave.txt").read_text()
     assert rows["dave"]["code_points"] == "4" and rows["dave"]["verifier.score"] == "pass", dave
-    assert "FAIL sft.sft_loss: sft_loss: over its 5 s limit" in dave, dave
+    assert "FAIL sft.sft_loss: sft_loss: over its 3 s limit" in dave, dave
     assert "FAIL verifier.dense_score: dense_score: rloo.py stopped in it in 2 steps: KeyError" in dave, dave
     assert rows["eve"]["code_points"] == "0" and "not a readable .tar.gz" in r.stdout, r.stdout
 
