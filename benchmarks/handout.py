@@ -134,6 +134,12 @@ def make(out, asked):
             source = fh.read()
         with open(path, "w") as fh:
             fh.write(blank(source, name))
+    # a git repository of its own, made after the blanking (no answer in its history), one commit:
+    # the students' history starts there, and the suite's layout checks (git ls-files) see the copy
+    # as a clone sees the repo
+    git = ["git", "-c", "user.name=handout", "-c", "user.email=handout@localhost", "-c", "init.defaultBranch=main"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", f"handout: {', '.join(asked)}"]):
+        subprocess.run(git + command, cwd=out, check=True, capture_output=True)
     return names
 
 

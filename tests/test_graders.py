@@ -164,6 +164,10 @@ def test_a_handout_gives_no_answer_away(part, tmp_path):
                     leaks.append(f"{os.path.relpath(path, out)}:{n} holds {answers[code]}'s {code!r}")
     assert not leaks, "\n".join(leaks)
     assert not (out / "docs" / "instructor.md").exists() and not (out / "tests" / "test_graders.py").exists()
+    import subprocess  # its git history is the blanked copy: one commit, nothing left to commit
+    log = subprocess.run(["git", "log", "--oneline"], cwd=out, capture_output=True, text=True).stdout.splitlines()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=out, capture_output=True, text=True).stdout
+    assert len(log) == 1 and not dirty, (log, dirty)
 
 
 def function_source(src, name):
