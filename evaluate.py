@@ -26,12 +26,11 @@ import torch
 from tqdm import tqdm
 
 from common import HFSampler, autocast, make_sampler
-from plumbing import report
 from plumbing.flags import CountdownError, arg, cli, parse_args, seed_everything
 from plumbing.models import device_and_dtype, load_model
-from plumbing.tasks import load_tasks, make_prompt, read_jsonl, write_jsonl
+from plumbing.tasks import load_tasks, read_jsonl, write_jsonl
 from plumbing.traces import arithmetic, mistake_shares, strategy_metrics, strategy_stats
-from verifier import score
+from verifier import make_prompt, score
 
 
 @dataclass
@@ -218,6 +217,7 @@ def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, s
 
 def tables_and_plots(args):
     """--run, --plot or --compare: what is already written, as tables, plots or side by side."""
+    from plumbing import report  # here, not at the top: a training script never loads it
     if (bool(args.run) + bool(args.plot) + bool(args.compare)) != 1:
         raise CountdownError("give one of --run DIR (a pipeline's tables and plots), --plot "
                              "DIR,DIR,... (pass@k curves) or --compare DIR,DIR,... (metrics)")
@@ -248,6 +248,7 @@ def accepted(records, template):
 
 
 def main():
+    from plumbing import report  # the tables (a training script imports this module, not them)
     args = parse_args(Args)
     if args.run or args.plot or args.compare:
         return tables_and_plots(args)

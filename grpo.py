@@ -31,14 +31,13 @@ from functools import partial
 
 import torch
 
-from common import (Prompts, autocast, k3_kl, make_sampler, micro_batches, mix_reference,
-                    probe, rollouts, score_rollouts, token_stats)
+from common import (autocast, k3_kl, make_curriculum, make_sampler, micro_batches, mix_reference,
+                    probe, rollout_metrics, rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
                             parse_args, seed_everything)
-from plumbing.harness import (Run, frozen_copy, load_policy, prepare_run, rollout_metrics,
-                              step_seed, warmup_lr)
-from plumbing.tasks import load_tasks, make_curriculum
+from plumbing.harness import Run, frozen_copy, load_policy, prepare_run, step_seed, warmup_lr
+from plumbing.tasks import load_tasks
 
 
 @dataclass
@@ -51,7 +50,8 @@ class Args(RLArgs):
                     "constant learning rate (002 §5.1: higher was unstable; 004 Table 6: 1e-6)")
     batch_size: int = arg(16, "prompts per step; each gets --group_size rollouts (002 §5.1: 16 x "
                               "16; 004 Table 6: 4 x 64)")
-    micro_batch: int = arg(16, "rollouts per forward/backward (bounds memory)")
+    micro_batch: int = arg(16, "rollouts per backward (bounds memory; shared forward: whole "
+                                "groups, at least one)")
     weight_decay: float = arg(0.0, "AdamW weight decay (002 gives none; 004 Table 6: 0)")
     grad_clip: float = arg(1.0, "global grad-norm clip (004 Table 6)")
     max_response_len: int = arg(1024, "rollout budget in new tokens (002 §4-5.1: 1024; shorter "
@@ -210,8 +210,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
-    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
-              **args.run_options(output_dir))
+    run = Run(output_dir, args.max_steps, model, tok, opt, ref=ref, **args.run_options(output_dir))
     if args.curriculum == "filter" or T_easy_hard:  # 002 §5.2: the init's solve rate per problem
         tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
                       args.template, args.max_prompt_len, args.temperature, args.max_response_len,
@@ -219,8 +218,10 @@ def main(argv=None):
     curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,  # none: all, always
                                  args.curriculum_window, args.curriculum_threshold,
                                  run.extra.get("curriculum"))
+    if run.start == 0:  # where the init starts
+        run.log(0, evaluate())
     B, G = args.batch_size, args.group_size
-    for step in run.steps():
+    for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----
         batch = run.next_tasks(tasks, B, curriculum.pool())
@@ -238,23 +239,18 @@ def main(argv=None):
         agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=n_tok,
                       max_len=args.max_response_len)  # (b, T-1), (b, T-1) -> share of L
         stats, ref_logps, old_logps = run.stats(B * G, n_tok), {}, {}
-        shared = share and not stats.diagnose  # --prompt_forward: each prompt's forward once
-        with autocast(device, model, ref), torch.no_grad():
-            ref_prompts = Prompts(ref, samples.prompt_ids, G, shared and ref is not None)
         for it in range(args.num_iterations):
-            with autocast(device, model, ref):  # the prompts through the policy as it is now
-                prompts = Prompts(model, samples.prompt_ids, G, shared)
-            for i, (rows, ids, attn, mask, sampler_logp) in enumerate(micro_batches(
-                    samples, args.micro_batch, tok.pad_token_id, device)):
+            for i, (rows, ids, attn, mask, sampler_logp, prompts) in enumerate(micro_batches(
+                    samples, args.micro_batch, tok.pad_token_id, device, share, args.forward_rows)):
                 m = mask[:, 1:].float() * keep[rows, None].to(device)                  # (b, T-1)
-                with autocast(device, model, ref):
+                with autocast(device, model, ref):  # each prompt's forward once for its group
                     T_mb = T_rows[rows] if T_easy_hard else T_rows  # the rollouts' temperatures
                     out = token_stats(model, ids, attn, mask, T_mb, entropy="logged",
-                                      prompts=prompts.of(rows))
+                                      prompts=prompts)
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
                         with torch.no_grad():
                             ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb,
-                                                       prompts=ref_prompts.of(rows))["logp"]
+                                                       prompts=prompts)["logp"]
                 # π_old: this forward on the first pass, before any update (departure 1)
                 old_logp = old_logps.setdefault(i, out["logp"].detach())
                 tis = tis_weight(old_logp, sampler_logp, args.tis_cap)  # 1 unless --tis_cap
@@ -264,7 +260,7 @@ def main(argv=None):
                 if it == 0:  # --term_grads on diagnose steps: an extra backward per term
                     stats.term_grads({k: agg(v, m) for k, v in info["terms"].items()}, 1)
                 loss = agg(per_token, m)
-                loss.backward()
+                loss.backward()  # the whole gradient of these rollouts, their prompts' included
                 stats.add("loss", loss.item())
                 for k, v in (("entropy", out["entropy"]), ("kl", info["kl"]),
                              ("ratio", info["ratio"]), ("clip_frac", info["clipped"]),
@@ -273,7 +269,6 @@ def main(argv=None):
                 stats.max("ratio_max", info["ratio"] * m)
                 if it == 0:
                     stats.sampler_gap(out["logp"], sampler_logp, m)
-            prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
             # ---- the update: clip, the non-finite stop, step (num_iterations of them) ----
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
@@ -284,7 +279,12 @@ def main(argv=None):
         metrics = {**stats.metrics(args.num_iterations),
                    **rollout_metrics(samples, scores, reward, adv, batch),
                    **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
-        run.end_step(step, metrics, curriculum=curriculum.state())
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            run.checkpoint()  # first: an evaluation that fails loses nothing
+            metrics.update(evaluate())
+        run.log(step, metrics)
+        if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
+            run.save(step, curriculum=curriculum.state())
     run.close()
     return model, ref
 

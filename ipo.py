@@ -185,9 +185,10 @@ def main(argv=None):
                        args.template, args.seed, sampler),
         **(heldout_metrics(logps, model, ref, held, args.beta, args.micro_batch) if held else {})}
     # --resume: the pairs were rebuilt above from the init, as the first time; now the trained state
-    run = Run(output_dir, total, model, tok, opt, evaluate, sched=sched,
-              **args.run_options(output_dir))
-    for step in run.steps():
+    run = Run(output_dir, total, model, tok, opt, sched=sched, **args.run_options(output_dir))
+    if run.start == 0:  # where the init starts
+        run.log(0, evaluate())
+    for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         # ---- batch of pairs (reshuffled every epoch) ----
         if len(run.order) < batch:
             run.order = random.Random(args.seed + step).sample(range(len(pairs)), len(pairs))
@@ -211,7 +212,13 @@ def main(argv=None):
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        run.end_step(step, {f"train/{k}": v / batch for k, v in stats.sums.items()})
+        metrics = {f"train/{k}": v / batch for k, v in stats.sums.items()}
+        if step == total or (args.eval_every and step % args.eval_every == 0):
+            run.checkpoint()  # first: an evaluation that fails loses nothing
+            metrics.update(evaluate())
+        run.log(step, metrics)
+        if step == total or step % args.save_every == 0:  # what --resume restarts from
+            run.save(step)
     run.close()
     return model, ref
 

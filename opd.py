@@ -33,13 +33,12 @@ from functools import partial
 
 import torch
 
-from common import (Prompts, autocast, behavior_logp, make_sampler, micro_batches, rollouts,
+from common import (autocast, behavior_logp, make_sampler, micro_batches, rollout_metrics, rollouts,
                     score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
                             parse_args, seed_everything)
-from plumbing.harness import (Run, load_frozen, load_policy, prepare_run, rollout_metrics,
-                              step_seed, warmup_lr)
+from plumbing.harness import Run, load_frozen, load_policy, prepare_run, step_seed, warmup_lr
 from plumbing.tasks import load_tasks
 
 
@@ -52,7 +51,7 @@ class Args(RLArgs):
     lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
     batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: "
                                "128 x 8)")
-    micro_batch: int = arg(8, "rollouts per forward/backward (bounds memory: student + teacher "
+    micro_batch: int = arg(8, "rollouts per backward (bounds memory: student + teacher "
                               "activations)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
     grad_clip: float = arg(1.0, "global grad-norm clip (000 Table 5)")
@@ -133,7 +132,6 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options())
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
-    share_teacher = share and args.shares_prompts(teacher)  # and the teacher's
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
@@ -141,9 +139,11 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
-    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
+    run = Run(output_dir, args.max_steps, model, tok, opt, **args.run_options(output_dir))
+    if run.start == 0:  # where the init starts
+        run.log(0, evaluate())
     B, G = args.batch_size, args.group_size
-    for step in run.steps():
+    for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
         batch = run.next_tasks(tasks, B)
@@ -156,18 +156,13 @@ def main(argv=None):
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
         # ---- log-probs, teacher KL and loss per micro-batch (the teacher without grad) ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
-        with autocast(device, model):  # --prompt_forward shared: the prompts through the student
-            prompts = Prompts(model, samples.prompt_ids, G, share and not stats.diagnose)
-            with torch.no_grad():  # and the teacher, fused in bf16 too: it has no backward
-                teacher_prompts = Prompts(teacher, samples.prompt_ids, G, share_teacher, fused=True)
-        for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
-                                                                 tok.pad_token_id, device):
-            # logp, entropy at the rollout T, the KL at kd_temperature
+        for rows, ids, attn, mask, sampler_logp, prompts in micro_batches(
+                samples, args.micro_batch, tok.pad_token_id, device, share, args.forward_rows):
+            # logp, entropy at the rollout T, the KL at kd_temperature; each prompt's forward once
             with autocast(device, model):  # the teacher keeps its fused attention (common.autocast)
                 out = token_stats(model, ids, attn, mask, temperature=args.temperature,
                                   entropy=True, teacher=teacher, kd_temperature=args.kd_temperature,
-                                  kd_reverse=args.kd_loss == "reverse", prompts=prompts.of(rows),
-                                  teacher_prompts=teacher_prompts.of(rows))
+                                  kd_reverse=args.kd_loss == "reverse", prompts=prompts)
             m = mask[:, 1:].float()                                                    # (b, T-1)
             old_logp = behavior_logp(args.mu, out["logp"], sampler_logp)  # μ: --mu
             loss, info = opd_loss(out["logp"], old_logp, out["kl"], out["entropy"], m,
@@ -176,7 +171,7 @@ def main(argv=None):
             # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
             stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # mean over rollouts
-            loss.backward()
+            loss.backward()  # the whole gradient of these rollouts, their prompts' forward included
             stats.add("loss", loss.item())
             for k in ("pg", "is_weight", "is_weight_raw"):
                 stats.row_mean(k, info[k])
@@ -184,15 +179,19 @@ def main(argv=None):
             stats.token_mean("entropy", out["entropy"], m)
             stats.max("is_weight_raw_max", info["is_weight_raw"])
             stats.sampler_gap(out["logp"], sampler_logp, m)
-        prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
         # ---- the update: clip, the non-finite stop, step ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
             opt.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        run.end_step(step, {**stats.metrics(),
-                            **rollout_metrics(samples, scores, reward, adv, batch)})
+        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch)}
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            run.checkpoint()  # first: an evaluation that fails loses nothing
+            metrics.update(evaluate())
+        run.log(step, metrics)
+        if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
+            run.save(step)
     run.close()
     return model
 

@@ -27,12 +27,12 @@ from functools import partial
 
 import torch
 
-from common import (Prompts, autocast, behavior_logp, k3_kl, make_sampler, micro_batches,
-                    probe, rollouts, score_rollouts, token_stats)
+from common import (autocast, behavior_logp, k3_kl, make_curriculum, make_sampler, micro_batches,
+                    probe, rollout_metrics, rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
-from plumbing.harness import Run, load_policy, prepare_run, rollout_metrics, step_seed, warmup_lr
-from plumbing.tasks import load_tasks, make_curriculum
+from plumbing.harness import Run, load_policy, prepare_run, step_seed, warmup_lr
+from plumbing.tasks import load_tasks
 
 
 @dataclass
@@ -43,7 +43,8 @@ class Args(RLArgs):
     lr: float = arg(1e-5, "constant learning rate (000 Table 5)")
     batch_size: int = arg(128, "prompts per step; each gets --group_size rollouts (000 Table 5: "
                                "128 x 8)")
-    micro_batch: int = arg(8, "rollouts per forward/backward (001: one group; bounds memory)")
+    micro_batch: int = arg(8, "rollouts per backward (001: one group; bounds memory; shared "
+                               "forward: whole groups)")
     weight_decay: float = arg(1e-4, "AdamW weight decay (000 Table 5)")
     grad_clip: float = arg(1.0, "global grad-norm clip (000 Table 5)")
     max_response_len: int = arg(1024, "rollout budget in new tokens (000 Table 5)")
@@ -138,7 +139,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
                        args.eval_max_new_tokens, args.template, args.seed, sampler)
-    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, **args.run_options(output_dir))
+    run = Run(output_dir, args.max_steps, model, tok, opt, **args.run_options(output_dir))
     if args.curriculum == "filter":  # 002 §5.2: the init's solve rate on each probed problem
         tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
                       args.template, args.max_prompt_len, args.temperature, args.max_response_len,
@@ -146,8 +147,10 @@ def main(argv=None):
     curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,  # none: all, always
                                  args.curriculum_window, args.curriculum_threshold,
                                  run.extra.get("curriculum"))
+    if run.start == 0:  # where the init starts
+        run.log(0, evaluate())
     B, G = args.batch_size, args.group_size
-    for step in run.steps():
+    for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
         batch = run.next_tasks(tasks, B, curriculum.pool())
@@ -158,15 +161,13 @@ def main(argv=None):
         scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
                                         args.no_answer_reward)                 # (B*G,), (B, G)
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
-        # ---- log-probs and loss, per micro-batch of rollouts ----
+        # ---- log-probs and loss, per micro-batch of rollouts (of whole groups: --prompt_forward) ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
-        with autocast(device, model):  # --prompt_forward shared: the prompts through the model
-            prompts = Prompts(model, samples.prompt_ids, G, share and not stats.diagnose)
-        for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
-                                                                 tok.pad_token_id, device):
-            with autocast(device, model):
+        for rows, ids, attn, mask, sampler_logp, prompts in micro_batches(
+                samples, args.micro_batch, tok.pad_token_id, device, share, args.forward_rows):
+            with autocast(device, model):  # at T; each prompt's forward once for its group
                 out = token_stats(model, ids, attn, mask, args.temperature, entropy=True,
-                                  prompts=prompts.of(rows))  # at T
+                                  prompts=prompts)
             m = mask[:, 1:].float()                                                    # (b, T-1)
             old_logp = behavior_logp(args.mu, out["logp"], sampler_logp)  # μ: --mu
             loss, info = rloo_loss(out["logp"], old_logp, out["entropy"], m, adv[rows].to(device),
@@ -175,7 +176,7 @@ def main(argv=None):
             # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
             stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # −(1/G) Σ_i, mean over prompts
-            loss.backward()
+            loss.backward()  # the whole gradient of these rollouts, their prompts' forward included
             stats.add("loss", loss.item())
             stats.row_mean("is_weight", info["is_weight"])  # clipped, and as 000 watches it
             stats.row_mean("is_weight_raw", info["is_weight_raw"])
@@ -183,7 +184,6 @@ def main(argv=None):
             stats.token_mean("kl", info["kl"], m)
             stats.max("is_weight_raw_max", info["is_weight_raw"])
             stats.sampler_gap(out["logp"], sampler_logp, m)
-        prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
         # ---- the update: clip, the non-finite stop, step ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
@@ -192,7 +192,12 @@ def main(argv=None):
         # ---- log, evaluate, checkpoint ----
         metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch),
                    **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
-        run.end_step(step, metrics, curriculum=curriculum.state())
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            run.checkpoint()  # first: an evaluation that fails loses nothing
+            metrics.update(evaluate())
+        run.log(step, metrics)
+        if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
+            run.save(step, curriculum=curriculum.state())
     run.close()
     return model
 

@@ -38,8 +38,7 @@ from functools import partial
 
 import torch
 
-from common import (Prompts, autocast, k3_kl, make_sampler, micro_batches, mix_reference,
-                    token_stats)
+from common import autocast, k3_kl, make_sampler, micro_batches, mix_reference, token_stats
 from plumbing.explanations import (balanced, export_traces, measure_balance, next_solved,
                                    rlt_tasks, solved)
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
@@ -64,7 +63,7 @@ class Args(RLArgs):
     lr: float = arg(1e-6, "constant learning rate (004 Table 3)")
     batch_size: int = arg(16, "prompts per step; each gets --group_size explanations (004 Table 3: "
                               "1024 = 16 x 64)")
-    micro_batch: int = arg(8, "rows per forward/backward (bounds memory)")
+    micro_batch: int = arg(8, "rows per backward (bounds memory; shared forward: whole groups)")
     weight_decay: float = arg(0.0, "AdamW weight decay (004 Table 3)")
     grad_clip: float = arg(1.0, "global grad-norm clip (004 Table 3)")
     max_response_len: int = arg(1024, "explanation budget in new tokens; one cut before </think> "
@@ -278,10 +277,11 @@ def main(argv=None):
     score_fn = lambda t, s, e, p: rlt_reward(parts_of(t, s, e), p, alpha, lam, args.penalty)  # noqa
     eval_explain = partial(explain_fn, max_new_tokens=args.eval_max_new_tokens)
     evaluate = partial(held_out, eval_explain, score_fn, *zip(*eval_tasks), args.eval_samples)
-    run = Run(output_dir, args.max_steps, model, tok, opt, evaluate, ref=ref,
-              **args.run_options(output_dir))
+    run = Run(output_dir, args.max_steps, model, tok, opt, ref=ref, **args.run_options(output_dir))
+    if run.start == 0:  # where the init starts
+        run.log(0, evaluate())
     B, G = args.batch_size, args.group_size
-    for step in run.steps():
+    for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
         batch_tasks, sols = zip(*next_solved(run, tasks, B))
@@ -291,35 +291,28 @@ def main(argv=None):
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731  per prompt -> per row
         reward, r_ss, r_kl = score_fn(rep(batch_tasks), rep(sols), expl, pen)          # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
-        # ---- log-probs and loss, per micro-batch of rollouts ----
+        # ---- log-probs and loss, per micro-batch of rollouts (of whole groups: --prompt_forward) ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
-        shared = share and not stats.diagnose  # --prompt_forward: each prompt's forward once
-        with autocast(device, model, ref):
-            prompts = Prompts(model, samples.prompt_ids, G, shared)
-            with torch.no_grad():
-                ref_prompts = Prompts(ref, samples.prompt_ids, G, shared and ref is not None)
-        for rows, ids, attn, mask, sampler_logp in micro_batches(samples, args.micro_batch,
-                                                                 tok.pad_token_id, device):
+        for rows, ids, attn, mask, sampler_logp, prompts in micro_batches(
+                samples, args.micro_batch, tok.pad_token_id, device, share, args.forward_rows):
             m = mask[:, 1:].float()                                                    # (b, T-1)
-            with autocast(device, model, ref):
-                # at the rollouts' T
+            with autocast(device, model, ref):  # at the rollouts' T; each prompt's forward once
                 out = token_stats(model, ids, attn, mask, args.temperature, entropy="logged",
-                                  prompts=prompts.of(rows))
+                                  prompts=prompts)
                 with torch.no_grad():
                     ref_logp = None if ref is None else token_stats(
-                        ref, ids, attn, mask, args.temperature, prompts=ref_prompts.of(rows))["logp"]
+                        ref, ids, attn, mask, args.temperature, prompts=prompts)["logp"]
             old_logp = out["logp"].detach()  # π_old: the trainer's forward (grpo.py, departure 1)
             loss, info = rlt_loss(out["logp"], old_logp, ref_logp, m, adv[rows].to(device),
                                   args.beta, args.epsilon, args.kl_ratio)
             # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
             stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # 1/G Σ_i, mean over prompts
-            loss.backward()
+            loss.backward()  # the whole gradient of these rollouts, their prompts' forward included
             stats.add("loss", loss.item())
             stats.token_mean("entropy", out["entropy"], m)
             stats.token_mean("kl", info["kl"], m)
             stats.sampler_gap(out["logp"], sampler_logp, m)
-        prompts.backward()  # the prompts' share of the gradient, summed over their rollouts
         # ---- the update: clip, the non-finite stop, step; then the reference's sync ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
@@ -328,8 +321,14 @@ def main(argv=None):
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004: slowly moving
         expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
         # ---- log, evaluate, checkpoint ----
-        run.end_step(step, {**stats.metrics(), **rlt_metrics(samples, reward.view(B, G), r_ss, r_kl,
-                                                             pen, expl_tokens)})
+        metrics = {**stats.metrics(), **rlt_metrics(samples, reward.view(B, G), r_ss, r_kl, pen,
+                                                    expl_tokens)}
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            run.checkpoint()  # first: an evaluation that fails loses nothing
+            metrics.update(evaluate())
+        run.log(step, metrics)
+        if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
+            run.save(step)
     run.close()
     if args.export:
         ex = solved(tasks, args.export_problems)

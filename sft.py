@@ -169,14 +169,13 @@ def main(argv=None):
     sched = get_cosine_with_min_lr_schedule_with_warmup(
         opt, warmup, total, min_lr=args.final_lr) if args.final_lr else \
         get_cosine_schedule_with_warmup(opt, warmup, total)
-    run = Run(output_dir, total, model, tok, opt,
-              partial(evaluation, model, tok, val_batches, eval_fn), sched=sched, eval_first=False,
-              **args.run_options(output_dir))
+    run = Run(output_dir, total, model, tok, opt, sched=sched, **args.run_options(output_dir))
+    evaluate = partial(evaluation, model, tok, val_batches, eval_fn)  # nothing to show at step 0
     responses = run.extra.get("responses", [])
     print(f"{len(prompts)} training examples, {steps_per_epoch} steps/epoch, {total} steps, "
           f"{len(set(prompts))} problems, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           "parameters")
-    for step in run.steps():
+    for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         # ---- batch: a fresh shuffle (and, for generated data, fresh traces) every epoch ----
         idx, new_epoch = run.next_indices(range(len(prompts)), args.batch_size)
         if new_epoch:
@@ -199,10 +198,15 @@ def main(argv=None):
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        run.end_step(step, {"train/loss": stats.sums["nll"] / stats.n_tokens,
-                            "train/token_acc": stats.sums["correct"] / stats.n_tokens,
-                            "time/tokens_per_s": stats.n_tokens / (time.time() - run.t0)},
-                     responses=responses)
+        metrics = {"train/loss": stats.sums["nll"] / stats.n_tokens,
+                   "train/token_acc": stats.sums["correct"] / stats.n_tokens,
+                   "time/tokens_per_s": stats.n_tokens / (time.time() - run.t0)}
+        if step == total or (args.eval_every and step % args.eval_every == 0):
+            run.checkpoint()  # first: an evaluation that fails loses nothing
+            metrics.update(evaluate())
+        run.log(step, metrics)
+        if step == total or step % args.save_every == 0:  # what --resume restarts from
+            run.save(step, responses=responses)
     run.close()
     return model
 

@@ -1,5 +1,5 @@
-"""The Countdown task, standard library only: answer extraction, exact scoring (paper 000 §3.1;
-dense: paper 001), solver and generator (the solver-written traces live in plumbing/traces.py).
+"""The Countdown task, standard library only: the prompt a policy reads, answer extraction, exact
+scoring (paper 000 §3.1; dense: paper 001), solver and generator (the solver-written traces live in plumbing/traces.py).
 Nothing here calls eval: one regex tokenizes, an explicit-stack shunting-yard parses (so 2,000
 nested parentheses cannot hit Python's recursion limit) and fractions.Fraction computes exactly."""
 import functools
@@ -18,6 +18,27 @@ _ALLOWED = re.compile(r"[\d\s+\-*/()]*", re.ASCII)  # ASCII: '３' or '٣' are n
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "neg": 3}
 # Fraction / 0 raises
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+# ---- the task as a policy reads it -------------------------------------------------------------
+# TinyZero's base-model prompt, used by papers 000/002: the policy thinks in <think>, answers in
+# <answer>. `compact` keeps the question and the assistant's prefix, not the preamble: with the
+# embedded tokenizer it halves the prompt.
+TEMPLATES = {
+    "base": "A conversation between User and Assistant. The user asks a question, and the "
+            "Assistant solves it. The assistant first thinks about the reasoning process in the "
+            "mind and then provides the user with the answer.\nUser: Using the numbers {nums}, "
+            "create an equation that equals {target}. You can use basic arithmetic operations "
+            "(+, -, *, /) and each number can only be used once. Show your work in <think> "
+            "</think> tags. And return the final answer in <answer> </answer> tags, for example "
+            "<answer> (1 + 2) / 3 </answer>.\nAssistant: Let me solve this step by step.\n<think>",
+    "compact": "User: Using the numbers {nums}, create an equation that equals {target}.\n"
+               "Assistant: Let me solve this step by step.\n<think>",
+}
+
+
+def make_prompt(nums, target, template="base"):
+    return TEMPLATES[template].format(nums=list(nums), target=target)
 
 
 def extract_answer(response):

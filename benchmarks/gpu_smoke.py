@@ -119,8 +119,8 @@ def write_data(work, tok, n_tasks, n_sft, response_tokens):
 # ---- per-phase peak memory: marks at the boundaries harness.Run already has ------------------------
 class Phases:
     """Peak allocated/reserved CUDA memory between marks, by phase name (the max over steps), and
-    the wall time of each evaluation. Run.sampled() ends `sample`, Run.end_step()'s start ends
-    `update` (log-probs, loss, backward, AdamW), its evaluation is `eval`."""
+    the wall time of each evaluation. Run.sampled() ends `sample`, Run.checkpoint() or Run.log()
+    ends `update` (log-probs, loss, backward, AdamW), the evaluation between them is `eval`."""
 
     def __init__(self):
         self.cuda = torch.cuda.is_available()
@@ -156,32 +156,36 @@ class Phases:
         from plumbing import harness
         saved = {k: getattr(harness, k) for k in ("save_checkpoint", "save_state")}
         run_cls = harness.Run
-        methods = {k: getattr(run_cls, k) for k in ("__init__", "sampled", "end_step")}
-        phases = self
+        methods = {k: getattr(run_cls, k) for k in ("__init__", "sampled", "checkpoint", "log")}
+        phases, evaluating = self, {}  # the script evaluates between Run.checkpoint and Run.log
 
         def init(run, *a, **kw):
             methods["__init__"](run, *a, **kw)
-            evaluate = phases.timed(run.evaluate)
-
-            def marked_evaluate():
-                phases.mark("pre-eval")
-                out = evaluate()
-                phases.mark("eval")
-                return out
-            run.evaluate = marked_evaluate
             phases.mark("setup")
+            evaluating["setup"] = time.time()  # step 0's evaluation, if any, comes next
 
         def sampled(run):
             methods["sampled"](run)
             phases.mark("sample")
 
-        def end_step(run, *a, **kw):
+        def checkpoint(run):
             phases.mark("update")
-            methods["end_step"](run, *a, **kw)
+            methods["checkpoint"](run)
+            phases.mark("pre-eval")
+            evaluating["t"] = time.time()
+
+        def log(run, step, metrics):
+            if step == 0 or "t" in evaluating:  # after an evaluation
+                phases.eval_s.append(time.time() - evaluating.pop("t", evaluating["setup"]))
+                phases.mark("eval")
+            else:
+                phases.mark("update")
+            methods["log"](run, step, metrics)
             phases.mark("log")
         try:
             harness.save_checkpoint = harness.save_state = lambda *a, **kw: None
-            run_cls.__init__, run_cls.sampled, run_cls.end_step = init, sampled, end_step
+            run_cls.__init__, run_cls.sampled, run_cls.checkpoint, run_cls.log = (init, sampled,
+                                                                                  checkpoint, log)
             yield self
         finally:
             for k, v in methods.items():

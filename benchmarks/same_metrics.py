@@ -4,7 +4,7 @@ their metrics.jsonl line by line: the same keys and the same values, `wall` and 
 1 on any difference. (A stored golden file would not do: fp32 kernels round differently from one CPU
 to another.)
 
-    python benchmarks/same_metrics.py --base 5a2e3f2 [--init out/cpu/sft] [--keep DIR]
+    python benchmarks/same_metrics.py --base 5a2e3f2 [--init out/cpu/sft] [--keep DIR] [--rel 1e-3]
  --init: the policy every script but sft starts from (default: a 3-step SFT of the tiny model,
 trained by the base tree). A trained SFT model gives rewards that vary within groups, so the RL
 losses are not 0.
@@ -65,8 +65,14 @@ def run(tree, out, init, scripts):
     return rows
 
 
-def compare(a, b):
-    """Lines naming every difference between two runs' metrics (empty: identical)."""
+def same(x, y, rel):
+    return x == y or (rel > 0 and isinstance(x, float) and isinstance(y, float)
+                      and abs(x - y) <= rel * max(abs(x), abs(y)))
+
+
+def compare(a, b, rel=0.0):
+    """Lines naming every difference between two runs' metrics (empty: identical; with `rel`, values
+    that far apart, relatively, count as the same)."""
     diffs = []
     for script in a:
         if [r["step"] for r in a[script]] != [r["step"] for r in b[script]]:
@@ -78,7 +84,7 @@ def compare(a, b):
             if ka != kb:
                 diffs.append(f"{script} step {ra['step']}: keys only in base {sorted(ka - kb)}, only here {sorted(kb - ka)}")
             diffs += [f"{script} step {ra['step']}: {k} {ra[k]!r} (base) vs {rb[k]!r}" for k in sorted(ka & kb)
-                      if ra[k] != rb[k]]
+                      if not same(ra[k], rb[k], rel)]
     return diffs
 
 
@@ -88,6 +94,8 @@ def main():
     p.add_argument("--init", default="", help="policy checkpoint for every script but sft (default: a 3-step tiny SFT)")
     p.add_argument("--keep", default="", help="write the runs here instead of a temporary dir")
     p.add_argument("--scripts", default="sft,ipo,rloo,grpo,opd,rlt", help="which scripts, comma-separated")
+    p.add_argument("--rel", type=float, default=0.0, help="relative difference still the same (a change of "
+                                                          "float rounding, e.g. another forward)")
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="same_metrics-")
     base = os.path.join(work, "tree")
@@ -101,7 +109,7 @@ def main():
     scripts = a.scripts.split(",")
     before = run(base, os.path.join(work, "base"), init, scripts)
     after = run(ROOT, os.path.join(work, "here"), init, scripts)
-    diffs = compare(before, after)
+    diffs = compare(before, after, a.rel)
     for script in before:
         n = sum(len(r) for r in before[script])
         print(f"{script}: {len(before[script])} lines, {n} values: {'identical' if not any(d.startswith(script + ' ') or d.startswith(script + ':') for d in diffs) else 'DIFFERENT'}")

@@ -24,6 +24,7 @@ p.add_argument("--init", default="out/cpu/sft")
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--micro_batch", type=int, default=32)
+p.add_argument("--per_row", action="store_true", help="every row whole, no prompt shared")
 args = p.parse_args()
 torch.set_num_threads(args.threads)
 model, tok, device = load_policy(args.init)
@@ -43,16 +44,19 @@ def clock(name, r, fn):
 for r in range(args.rounds):
     samples = clock("sample", r, lambda: rollouts(sampler, model, tok, tasks, 8, "compact", 256,
                                                     0.7, 160, r))
-    batches = list(micro_batches(samples, args.micro_batch, tok.pad_token_id, device))
-    tokens = sum(int(m.sum()) for _, _, _, m, _ in batches), sum(i.numel() for _, i, *_ in batches)
+    batches = list(micro_batches(samples, args.micro_batch, tok.pad_token_id, device,
+                                 not args.per_row))
+    tokens = sum(int(m.sum()) for _, _, _, m, *_ in batches), sum(  # padded: rows' and prompts'
+        i.numel() + (p.ids.numel() if p else 0) for _, i, _, _, _, p in batches)
     for bf16 in ("1", "0"):
         os.environ["COUNTDOWN_CPU_BF16"] = bf16  # what common.autocast reads
-        for _, ids, attn, mask, _ in batches:
+        for _, ids, attn, mask, _, prompts in batches:
             with autocast(device, model, ref):
                 out = clock(f"fwd/{bf16}", r, lambda: token_stats(model, ids, attn, mask, 0.7,
-                                                                  entropy="logged"))
+                                                                  entropy="logged", prompts=prompts))
                 with torch.no_grad():
-                    clock(f"ref/{bf16}", r, lambda: token_stats(ref, ids, attn, mask, 0.7))
+                    clock(f"ref/{bf16}", r, lambda: token_stats(ref, ids, attn, mask, 0.7,
+                                                                prompts=prompts))
             clock(f"bwd/{bf16}", r, lambda: (out["logp"] * mask[:, 1:]).sum().backward())
         clock(f"opt/{bf16}", r, lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
 step = {k: statistics.median(v) for k, v in seconds.items()}

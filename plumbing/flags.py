@@ -92,7 +92,7 @@ class TrainArgs:
         to."""
         return dict(seed=self.seed, resume=self.resume,
                     skip_nonfinite=self.skip_nonfinite, eval_every=self.eval_every,
-                    save_every=self.save_every, wandb_project=self.wandb_project,
+                    wandb_project=self.wandb_project,
                     config={**dataclasses.asdict(self), "output_dir": output_dir})
 
 
@@ -113,22 +113,29 @@ class RLArgs(TrainArgs):
                                   "graph kept for them: a walkthrough RLOO step peaked at 60 GB on an H100 "
                                   "with it, 36 without (docs/gpu.md)")
 
-    prompt_forward: str = arg("auto", "the update's forward: shared (each prompt's tokens once a "
-                                      "step for its G rollouts, plumbing/shared_prompts.py; auto "
-                                      "on a CPU) | per_row (transformers' forward of every row "
-                                      "whole; auto on a GPU and with --gradient_checkpointing)")
+    prompt_forward: str = arg("auto", "the update's forward: shared (micro-batches of whole "
+                                      "groups, each prompt's forward once for its G rollouts, "
+                                      "common.decoder_states; auto on a CPU) | per_row (every "
+                                      "row whole; auto on a GPU and with "
+                                      "--gradient_checkpointing)")
+    forward_rows: int = arg(16, "shared: rollouts a forward runs, sorted by length, within a "
+                                "micro-batch of whole groups (each forward padded to its "
+                                "longest; 16-32 ran fastest on a CPU, docs/studies/performance.md)")
 
     def run_options(self, output_dir):
         return {**super().run_options(output_dir), "term_grads": self.term_grads}
 
     def shares_prompts(self, model):
-        """--prompt_forward resolved for `model`. A step with --term_grads' diagnostics runs per
-        row: each term's gradient is taken to the weights, past the prompts' shared part."""
+        """--prompt_forward resolved for `model`: shared, unless on a GPU (`auto`: its memory
+        measured per row, docs/gpu.md) or with --gradient_checkpointing, whose recompute
+        transformers runs without the cache that carries the prompts (said in one line)."""
         check_choice("prompt_forward", self.prompt_forward, ("auto", "shared", "per_row"))
-        if self.prompt_forward == "auto":  # its eager scores are held for backward: short rows
-            return (next(model.parameters()).device.type == "cpu" and not self.gradient_checkpointing
-                    and model.config.model_type in ("qwen2", "llama"))  # shared_prompts.py's
-        return self.prompt_forward == "shared"
+        if self.prompt_forward == "shared" and self.gradient_checkpointing:
+            print("--prompt_forward shared: per row instead, since --gradient_checkpointing runs "
+                  "transformers' layers without the cache that shares each prompt")
+        if self.prompt_forward == "auto":
+            return next(model.parameters()).device.type == "cpu" and not self.gradient_checkpointing
+        return self.prompt_forward == "shared" and not self.gradient_checkpointing
 
 
 def check_choice(flag, value, choices):

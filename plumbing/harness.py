@@ -1,11 +1,10 @@
-"""The run harness around every training loop, so a script's loop shows only its algorithm and its
-update. Before the loop: the output dir (prepare_run), the policy to train and the frozen models
-beside it. In it: `Run` owns the data order, the non-finite stop (`finite`, called by the script
-between its gradient clip and its optimizer step), the periodic evaluation (the script's own
-function), checkpoints and exact resume, and the log (`Logger`: metrics.jsonl, the console, wandb);
-`StepStats` adds up a step's metrics over its micro-batches; `rollout_metrics` are paper 001's
-flatline diagnostics of an RL batch; `warmup_lr` is the RL scripts' schedule. Nothing here knows an
-algorithm."""
+"""The run harness around every training loop: its mechanics, never its decisions (the script's
+loop says when it evaluates, checkpoints, saves and stops). Before the loop: the output dir
+(prepare_run), the policy to train and the frozen models beside it. In it: `Run` restores a
+resumed run, owns the data order, the non-finite stop (`finite`, called by the script between its
+gradient clip and its optimizer step), the files (`checkpoint`, `save`) and the log (`log`, through
+`Logger`: metrics.jsonl, the console, wandb); `StepStats` adds up a step's metrics over its
+micro-batches; `warmup_lr` is the RL scripts' schedule. Nothing here knows an algorithm."""
 import contextlib
 import copy
 import json
@@ -21,7 +20,6 @@ from plumbing.checkpoints import (latest_state, load_state, save_checkpoint, sav
                                   step_is_finite)
 from plumbing.flags import CountdownError, follow_threads
 from plumbing.models import check_same_tokenizer, frozen_dtype, load_model, trains_in_bf16
-from plumbing.traces import mistake_shares, strategy_metrics, strategy_stats
 
 
 def prepare_run(output_dir, resume="", overwrite=False):
@@ -68,8 +66,8 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if device == "cpu" and trains_in_bf16(device):  # common.autocast's eager attention for
-            model.set_attn_implementation("eager")  # good: the recompute must run the forward's
+        if device == "cpu" and trains_in_bf16(device):  # common.autocast's attention for good:
+            model.set_attn_implementation("bf16_eager")  # the recompute must run the forward's
     if lora_rank > 0:
         try:
             from peft import LoraConfig, get_peft_model
@@ -204,40 +202,24 @@ class StepStats:
         return {**out, "train/sampler_gap": self.gap / self.n_tokens}
 
 
-def rollout_metrics(samples, scores, reward, adv, tasks):
-    """Paper 001's flatline diagnostics of an RL batch, its strategies and its mistakes. scores
-    (B*G,): verifier scores 0/0.1/1; reward (B, G): what the advantage saw; adv (B*G,); tasks:
-    the B prompts' problems. A group whose rewards are all equal has A = 0."""
-    n, group_std = len(samples.completion_ids), reward.std(1)  # (B,) within-group spread
-    return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),
-            "train/format": (scores > 0).float().mean(), "train/reward_std": group_std.mean(),
-            "train/adv_std": adv.std(), "train/zero_adv_groups": (group_std == 0).float().mean(),
-            "train/resp_len": sum(map(len, samples.completion_ids)) / n,
-            # what the reward sees (no complete answer block) and what the budget did (no EOS)
-            "train/no_answer": (scores == 0).float().mean(),
-            "train/cut": 1 - sum(samples.finished) / n,
-            **strategy_metrics("train", strategy_stats(samples.texts, scores.tolist())),
-            **{f"train/mistake/{k}": v for k, v in mistake_shares(
-                samples.texts, [t for t in tasks for _ in range(n // len(tasks))]).items()}}
-
-
 class Run:
-    """Everything around a training loop that is not its algorithm. On --resume it restores the
-    weights, optimizer, schedule, RNGs, moving reference and data order of the newest state, so
-    step start+1 runs as if never stopped. `evaluate()` returns the eval/ metrics: run at step 0,
-    every `eval_every` steps and at the end, each time beside an HF checkpoint in output_dir; a
-    resumable state every `save_every`."""
+    """The mechanics around a training loop, none of its decisions: the script's loop says when it
+    evaluates, checkpoints, saves and stops. On --resume (in __init__) it restores the weights,
+    optimizer, schedule, RNGs, moving reference and data order of the newest state, so step
+    run.start + 1 runs as if never stopped. It also owns the data order, the non-finite stop
+    (`finite`, between the script's gradient clip and its optimizer step), the files (`checkpoint`,
+    `save`) and the log (`log`: metrics.jsonl, the console, wandb)."""
 
-    def __init__(self, output_dir, total_steps, model, tok, opt, evaluate, *, sched=None, ref=None,
-                 seed=0, resume=False, skip_nonfinite=False, eval_every=0, save_every=25,
-                 config=None, wandb_project="", eval_first=True, term_grads=False):
+    def __init__(self, output_dir, total_steps, model, tok, opt, *, sched=None, ref=None,
+                 seed=0, resume=False, skip_nonfinite=False, eval_every=0, config=None,
+                 wandb_project="", term_grads=False):
         self.output_dir, self.total, self.model, self.tok = output_dir, total_steps, model, tok
         # the optimizer, schedule and moving reference are the script's: Run saves and restores them
-        self.opt, self.evaluate, self.sched, self.ref = opt, evaluate, sched, ref
+        self.opt, self.sched, self.ref = opt, sched, ref
         self.skip_nonfinite = skip_nonfinite
-        self.eval_every, self.save_every = eval_every, save_every
-        self.eval_first = eval_first  # SFT has nothing to measure at step 0
-        self.term_grads = term_grads  # measure each loss term's own gradient on diagnose steps
+        # --term_grads measures each loss term's own gradient on the first step and every
+        # --eval_every (Run.stats)
+        self.term_grads, self.eval_every = term_grads, eval_every
         self.rng = random.Random(seed)  # the data order's
         self.start, self.extra = 0, {}
         if resume:
@@ -245,17 +227,16 @@ class Run:
         self.order, self.skipped = self.extra.get("order", []), self.extra.get("skipped", 0)
         self.pool_size = self.extra.get("pool_size")  # the pool `order` shuffles
         self.grad_norms = []  # this step's (GRPO makes several)
+        self.step, self.t0, self.t_sample = self.start, time.time(), 0.0
         if config is not None:  # and the precision its training forwards compute in
             bf16 = trains_in_bf16(model.device.type)
             config = {**config, "train_compute": "bf16" if bf16 else "fp32"}
-        self.log = Logger(output_dir, total_steps, config, wandb_project, self.start)
+        self.log_file = Logger(output_dir, total_steps, config, wandb_project, self.start)
 
     def steps(self):
-        """Step numbers from the first not yet done; logs the start's evaluation on a fresh run.
+        """Step numbers from the first not yet done (run.start + 1) to the last, each one timed.
         Between steps it takes the cores a stage that ended beside this one left (run_cpu.sh's
         scheduler; nothing outside it): a speed, never a number, changes."""
-        if not self.start and self.eval_first:
-            self.log.log(0, self.evaluate())  # where the init starts
         for step in range(self.start + 1, self.total + 1):
             follow_threads()
             self.step, self.t0, self.t_sample = step, time.time(), 0.0
@@ -275,14 +256,12 @@ class Run:
         """The next n tasks, drawn from `pool` (indices into tasks; default all of them)."""
         return [tasks[i] for i in self.next_indices(pool or range(len(tasks)), n)[0]]
 
-    def evaluates(self, step):
-        return step == self.total or bool(self.eval_every and step % self.eval_every == 0)
-
     def stats(self, n_rows, n_tokens):
-        """This step's StepStats; with --term_grads, on the first step and every evaluating one it
-        also measures each loss term's own gradient (StepStats.term_grads), which costs a backward
-        per term and keeps the graph for them."""
-        due = self.term_grads and (self.step == self.start + 1 or self.evaluates(self.step))
+        """This step's StepStats; with --term_grads, on the first step, every --eval_every and the
+        last, it also measures each loss term's own gradient (StepStats.term_grads), which costs
+        a backward per term."""
+        due = self.term_grads and (self.step in (self.start + 1, self.total) or bool(
+            self.eval_every and self.step % self.eval_every == 0))
         return StepStats(n_rows, n_tokens, self.model if due else None)
 
     def sampled(self):
@@ -300,28 +279,31 @@ class Run:
         self.skipped += 1
         return False
 
-    def end_step(self, step, metrics, **extra):
-        """Log the step's metrics (with lr, grad norm, skipped steps and times), evaluate and
-        checkpoint when due, and save a resumable state when due (with the script's `extra` data
-        state)."""
-        now = time.time()
-        metrics.update({"train/lr": self.opt.param_groups[0]["lr"],
-                        "train/skipped_steps": self.skipped,
-                        "train/grad_norm": sum(self.grad_norms) / len(self.grad_norms),
-                        "time/sample": self.t_sample, "time/update": now - self.t0 - self.t_sample,
-                        "time/step": now - self.t0})
+    def checkpoint(self):
+        """The model as an HF checkpoint in output_dir (the next script's --init)."""
+        save_checkpoint(self.model, self.tok, self.output_dir)
+
+    def log(self, step, metrics):
+        """The step's metrics, with lr, grad norm, skipped steps and times (none at step 0), to
+        metrics.jsonl, the console and wandb."""
+        if step:
+            now = time.time()
+            metrics = {**metrics, "train/lr": self.opt.param_groups[0]["lr"],
+                       "train/skipped_steps": self.skipped,
+                       "train/grad_norm": sum(self.grad_norms) / max(1, len(self.grad_norms)),
+                       "time/sample": self.t_sample, "time/update": now - self.t0 - self.t_sample,
+                       "time/step": now - self.t0}
         self.grad_norms = []
-        if self.evaluates(step):  # the checkpoint first: an evaluation that fails loses nothing
-            save_checkpoint(self.model, self.tok, self.output_dir)
-            metrics.update(self.evaluate())
-        self.log.log(step, metrics)
-        if step == self.total or step % self.save_every == 0:
-            save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng, self.ref,
-                       order=self.order, pool_size=self.pool_size, skipped=self.skipped,
-                       **extra)
+        self.log_file.log(step, metrics)
+
+    def save(self, step, **extra):
+        """A resumable state of the step (what --resume restarts from), with the script's `extra`
+        data state."""
+        save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng, self.ref,
+                   order=self.order, pool_size=self.pool_size, skipped=self.skipped, **extra)
 
     def close(self):
-        self.log.close()
+        self.log_file.close()
         print(f"saved {self.output_dir}" if self.total else "no training steps")
 
 

@@ -8,11 +8,14 @@ import random
 import re
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import verifier
 from plumbing import traces
 from plumbing.flags import CountdownError
-from plumbing.tasks import TEMPLATES, check_hub, make_prompt
+from plumbing.tasks import check_hub
+from verifier import TEMPLATES, make_prompt
 
 
 # ---- the precision a training forward computes in (common.autocast applies it) ----------------
@@ -85,6 +88,15 @@ def build_tiny_model(tokenizer, **overrides):
     return Qwen2ForCausalLM(cfg)
 
 
+STAGES = ("sft", "ipo", "rloo", "grpo", "opd", "rlt")  # a folder named so is a run's output_dir
+
+
+def looks_local(name):
+    """A name the user meant as a folder, not a hub id (`out/sft` has a hub id's shape)."""
+    return (name.startswith(("out/", "./", "../", "/", "~")) or os.path.isdir(name.split("/")[0])
+            or os.path.basename(name.rstrip("/")) in STAGES)
+
+
 def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     """(model, tokenizer) from `tiny` (new, from scratch), a checkpoint dir, or a hub name."""
     from transformers import (
@@ -102,8 +114,12 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise CountdownError(f"{name} is not a checkpoint dir (no config.json): pass the "
                                  "--output_dir of a finished run")
-    elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
-        raise CountdownError(f"no such checkpoint dir: {name}")
+    elif not re.fullmatch(r"[\w.-]+/[\w.-]+", name) or looks_local(name):
+        stage = os.path.basename(name.rstrip("/"))
+        maker = (f"`python {stage}.py ... --output_dir {name}` makes it (the {stage} stage; "
+                 f"./run_cpu.sh makes out/cpu/{stage})" if stage in STAGES else
+                 "pass the --output_dir of a finished run")
+        raise CountdownError(f"no such checkpoint dir: {name}; {maker}")
     hint = "" if os.path.exists(name) else (" The embedded alternative needs no hub: the model "
                                             "`tiny`, e.g. sft.py --init tiny (see README)")
     if hint:
@@ -123,6 +139,31 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
         # Qwen base: pad == eos, so masks come from lengths
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def bf16_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention as a CPU computes it fastest in bf16, registered under its
+    name (common.autocast sets it): each KV head's g query heads as g·T rows of one matmul (no
+    copy of the keys per head), the mask added inside it, and the softmax over the bf16 scores
+    (torch's CPU kernel sums in fp32), not over an fp32 copy each way: a GRPO update 0.87x as the
+    hand-written forward measured it (docs/studies/performance.md).
+    query (b, H, T, d), key and value (b, Hkv, S, d), attention_mask (b, 1, T, S) -inf or 0."""
+    b, H, T, d = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    q = query.reshape(b * Hkv, H // Hkv * T, d)                              # (b·Hkv, g·T, d)
+    # cast to the matmul's dtype (autocast's bf16; RoPE made q fp32), then copied: clamped first,
+    # since fp32's min rounds to -inf and a row all padding (a left-padded prompt's) to NaN
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    mask = attention_mask.clamp(min=torch.finfo(dtype).min).to(dtype)[:, :, None].expand(
+        b, Hkv, H // Hkv, T, S)
+    scores = torch.baddbmm(mask.reshape(b * Hkv, -1, S), q, key.flatten(0, 1).transpose(1, 2),
+                           alpha=scaling)                                           # (b·Hkv, g·T, S)
+    out = torch.bmm(scores.softmax(-1), value.flatten(0, 1)).view(b, H, T, d)
+    return out.transpose(1, 2), None                                                # (b, T, H, d)
+
+
+AttentionInterface.register("bf16_eager", bf16_eager)
+AttentionMaskInterface.register("bf16_eager", eager_mask)
 
 
 def frozen_dtype(device):

@@ -12,29 +12,9 @@ import re
 import socket
 
 import verifier
+from verifier import make_prompt
 from plumbing.flags import CountdownError
 from plumbing.traces import MISTAKES, arith_text, flip_operator, make_trace, parse_mix
-
-# ---- prompts ---------------------------------------------------------------------------
-# TinyZero's base-model format, used by papers 000/002. `compact` keeps the same question and the
-# same assistant prefix but drops the preamble: with the embedded tokenizer it halves the prompt
-# length.
-TEMPLATES = {
-    "base": "A conversation between User and Assistant. The user asks a question, and the "
-            "Assistant solves it. The assistant first thinks about the reasoning process in the "
-            "mind and then provides the user with the answer.\nUser: Using the numbers {nums}, "
-            "create an equation that equals {target}. You can use basic arithmetic operations "
-            "(+, -, *, /) and each number can only be used once. Show your work in <think> "
-            "</think> tags. And return the final answer in <answer> </answer> tags, for example "
-            "<answer> (1 + 2) / 3 </answer>.\nAssistant: Let me solve this step by step.\n<think>",
-    "compact": "User: Using the numbers {nums}, create an equation that equals {target}.\n"
-               "Assistant: Let me solve this step by step.\n<think>",
-}
-
-
-def make_prompt(nums, target, template="base"):
-    return TEMPLATES[template].format(nums=list(nums), target=target)
-
 
 QUESTION = re.compile(r"Using the numbers \[([\d, ]*)\], create an equation that equals (\d+)")
 
@@ -336,14 +316,7 @@ def solver_pairs(tasks, template, rng):
     return out
 
 
-# ---- curriculum: which problems an RL step draws, by difficulty (rloo.py's and grpo.py's) -------
-#   tiers   paper 001 Algorithm 1: tiers T_0..T_{m-1} by (operand count, target bin), easiest
-#           first. A step draws uniformly from T_0 ∪ ... ∪ T_level; when the mean rollout accuracy
-#           of the last W steps reaches τ, the next tier unlocks and the window clears.
-#   filter  paper 002 §5.2: only problems the init solves sometimes (common.probe measures each).
-#           A problem the init always or never solves makes groups of equal rewards: A = 0.
-# Departures: 001 gives no W or τ (ours: 10 steps, 0.6); 002 filters by one SFT answer per problem
-# (ours: k samples, and "sometimes" rather than "right").
+# ---- the init's solve rates (common.probe's), kept beside a run ----------------------------------
 def solve_rates(path, tasks, k, measure):
     """Each task's solve rate (common.probe's): read back from `path` (JSONL) if a run wrote it, else
     `measure()` (a list, one a task) written there atomically; kept on each task as
@@ -365,56 +338,3 @@ def solve_rates(path, tasks, k, measure):
     print(f"probe: {len(tasks)} problems x {k} samples: the init never solves {never}, always "
           f"{always}, sometimes {len(tasks) - never - always}")
     return tasks
-
-
-def tiers(tasks, bins):
-    """001 Algorithm 1, line 1: task indices in tiers, by operand count, then `bins` equal-count
-    bins of the target within each count; smaller counts and targets first."""
-    out = []
-    for count in sorted({len(t["nums"]) for t in tasks}):
-        idx = sorted((i for i, t in enumerate(tasks) if len(t["nums"]) == count),
-                     key=lambda i: tasks[i]["target"])
-        out += [idx[len(idx) * b // bins: len(idx) * (b + 1) // bins] for b in range(bins)]
-    return [tier for tier in out if tier]
-
-
-class Curriculum:
-    """The tiers unlocked so far (001 Algorithm 1, lines 2-8). One tier of every problem (`none`)
-    or of the probed ones the init solves sometimes (`filter`) never moves."""
-
-    def __init__(self, tiers, window, threshold, level=0, recent=()):
-        self.tiers, self.window, self.threshold = tiers, window, threshold
-        self.level, self.recent = level, list(recent)  # `recent`: the window's accuracies
-
-    def pool(self):
-        """Indices of the problems a step may draw: T_0 ∪ ... ∪ T_level."""
-        return [i for tier in self.tiers[:self.level + 1] for i in tier]
-
-    def update(self, accuracy):
-        """Push a step's rollout accuracy; unlock the next tier when the full window's mean
-        reaches τ (lines 5-7). Returns the train/ metrics of a curriculum that can move."""
-        if len(self.tiers) == 1:
-            return {}
-        self.recent = (self.recent + [accuracy])[-self.window:]
-        if (len(self.tiers) > self.level + 1 and len(self.recent) == self.window
-                and sum(self.recent) / self.window >= self.threshold):
-            self.level, self.recent = self.level + 1, []
-        return {"train/curriculum_level": self.level, "train/pool": len(self.pool())}
-
-    def state(self):
-        return {"level": self.level, "recent": self.recent}
-
-
-def make_curriculum(mode, tasks, bins, window, threshold, state=None):
-    """The Curriculum of --curriculum `mode` (none | tiers | filter) over `tasks`; `filter` needs
-    the probe's task["solve_rate"] first and keeps the probed problems with 0 < rate < 1. `state`:
-    a resumed run's level and window."""
-    if mode == "tiers":
-        return Curriculum(tiers(tasks, bins), window, threshold, **(state or {}))
-    if mode == "filter":
-        keep = [i for i, t in enumerate(tasks) if 0 < t.get("solve_rate", 0) < 1]
-        if not keep:
-            raise CountdownError("--curriculum filter: the init solves every probed problem always "
-                                 "or never; probe more (--probe_problems, --probe_samples)")
-        return Curriculum([keep], window, threshold)
-    return Curriculum([list(range(len(tasks)))], window, threshold)

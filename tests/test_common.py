@@ -136,6 +136,27 @@ def tiny():
     return M.load_model("tiny")
 
 
+def test_the_bf16_attention_is_transformers_eager_one(monkeypatch):
+    """plumbing/models.py's bf16_eager (a KV head's query heads as rows of one matmul, the softmax over bf16
+    scores) against transformers' eager attention under the same autocast, rows left-padded (a row
+    all padding must not turn NaN): the same hidden states within bf16 rounding. Broken on purpose
+    (the KV heads swapped; the mask's -inf from fp32's min), it failed."""
+    model = qwen_like(64).eval()
+    ids = torch.randint(0, 64, (3, 12))
+    attn = (torch.arange(12)[None] >= torch.tensor([0, 3, 7])[:, None]).long()  # left padding
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for impl in ("eager", "bf16_eager"):
+            model.set_attn_implementation(impl)
+            out[impl] = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos
+                                            ).last_hidden_state.float()
+    assert torch.isfinite(out["bf16_eager"]).all()
+    real = attn.bool()
+    diff = (out["eager"] - out["bf16_eager"])[real].abs().max()
+    assert diff < 0.05 * out["eager"][real].abs().max(), diff
+
+
 def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     """CPU bf16 (cpu_bf16()): bf16 compute with eager attention inside, the model as it was after,
     even after an error; values within bf16 rounding of fp32. COUNTDOWN_CPU_BF16=0: plain fp32."""
@@ -146,7 +167,7 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     fp32 = LP.token_stats(model, ids, attn, mask)["logp"]
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
     with LP.autocast("cpu", model, None):
-        assert model.config._attn_implementation == "eager"
+        assert model.config._attn_implementation == "bf16_eager"
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         bf16 = LP.token_stats(model, ids, attn, mask)["logp"]
     assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
@@ -221,7 +242,7 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
     model, tok = tiny
     prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7, 1], 99, "base")]
     ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=1.0, max_new_tokens=20, seed=0)
-    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, list(range(6)), tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, list(range(6)), tok.pad_token_id)[:4]
     with torch.no_grad():
         logp = LP.token_stats(model, ids, attn, mask)["logp"]
     assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
@@ -236,7 +257,7 @@ def test_sampler_logprobs_are_of_the_sampling_distribution(tiny, temperature):
     model, tok = tiny
     prompts = [D.make_prompt([3, 5, 4], 32, "compact"), D.make_prompt([10, 2, 7], 99, "compact")]
     ro = S.HFSampler(model, tok).generate(prompts, n=3, temperature=temperature, max_new_tokens=20, seed=0)
-    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, list(range(6)), tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, list(range(6)), tok.pad_token_id)[:4]
     m = mask[:, 1:].bool()
     with torch.no_grad():
         tempered = LP.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
@@ -249,7 +270,7 @@ def test_rollout_batch_aligns_rows_with_their_prompts():
     ro = S.Rollouts([[1, 2], [3]], [[5], [6, 7], [8, 9, 10], [11]], [[-.5], [-.6, -.7], [-.8, -.9, -1.0], [-1.1]],
                     ["a", "b", "c", "d"], [True] * 4)
     # row 1 is prompt 0's, row 2 prompt 1's
-    ids, attn, mask, old = LP.rollout_batch(ro, [1, 2], pad_id=0)
+    ids, attn, mask, old = LP.rollout_batch(ro, [1, 2], pad_id=0)[:4]
     assert ids.tolist() == [[1, 2, 6, 7], [3, 8, 9, 10]] and attn.tolist() == [[1] * 4] * 2
     assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
     assert torch.allclose(old, torch.tensor([[0, -.6, -.7], [-.8, -.9, -1.0]]))

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from plumbing import tasks as C
+import common as C
 import grpo
 from plumbing import models as M
 import rloo
@@ -151,14 +151,14 @@ def test_token_stats_per_row_temperature_equals_one_call_per_row(tiny_ckpt):
 
 def test_run_draws_only_from_the_pool_and_reshuffles_when_it_grows(tmp_path):
     model = torch.nn.Linear(1, 1)
-    run = Run(str(tmp_path), 1, model, None, torch.optim.SGD(model.parameters(), 0.1), dict)
+    run = Run(str(tmp_path), 1, model, None, torch.optim.SGD(model.parameters(), 0.1))
     tasks = list(range(10))
     assert sorted(run.next_tasks(tasks, 3, [1, 4, 7])) == [1, 4, 7]
     assert set(run.next_tasks(tasks, 2, [1, 4, 7])) <= {1, 4, 7}  # none left: a new shuffle
     grown = [1, 4, 7, 8, 9]
     assert set(run.next_tasks(tasks, 5, grown)) == set(grown)  # a new tier: a shuffle of the whole pool
     # no pool: the same order as a shuffle of range(n) (the data order before pools existed)
-    fresh = Run(str(tmp_path / "b"), 1, model, None, torch.optim.SGD(model.parameters(), 0.1), dict, seed=3)
+    fresh = Run(str(tmp_path / "b"), 1, model, None, torch.optim.SGD(model.parameters(), 0.1), seed=3)
     assert fresh.next_tasks(tasks, 4) == random.Random(3).sample(range(10), 10)[:4]
 
 

@@ -202,3 +202,57 @@ def test_each_readme_exercise_runs_as_printed_for_2_steps(number, title, command
     assert rows, f"exercise {number} compares none of its own runs"
     assert not [r for r in rows if re.search(r"\s-(\s|$)", r)], \
         f"exercise {number} compares a key its runs do not log:\n{text[-1500:]}"
+
+
+def test_readme_one_rl_step_names_the_files_the_step_runs_through(tiny_ckpt, tmp_path, monkeypatch):
+    """README's "Read the code" says which files one RL step runs through, and that the update is
+    computed in rloo.py, common.py and verifier.py. One default CPU step of rloo.py (the shared
+    forward, the fast decoder), followed with sys.setprofile: the files it enters are the ones the
+    paragraph names, and from the end of its sampling to its non-finite check (forward, loss,
+    backward, clip) it enters no other repo file but harness.py's step sums, checkpoints.py's
+    finite check and models.py's precision. Broken on purpose (README without `traces.py`; the
+    loss's k3 moved to plumbing/), it failed."""
+    import rloo
+    from conftest import GEN
+    from plumbing import harness
+    text = section(README, "Read the code")
+    named = {f if "/" in f or os.path.exists(os.path.join(ROOT, f)) else f"plumbing/{f}"  # plumbing/'s by name
+             for f in re.findall(r"`([\w/]+\.py)`", text) if not f.startswith("benchmarks/")}  # a benchmark cited
+    seen, phase = {}, {"now": None}
+
+    def profile(frame, event, arg):
+        f = frame.f_code.co_filename
+        if phase["now"] and f.startswith(ROOT + os.sep) and not f.startswith((
+                os.path.join(ROOT, ".venv"), os.path.join(ROOT, "tests"))):
+            seen.setdefault(phase["now"], set()).add(os.path.relpath(f, ROOT))
+    steps, sampled, finite = harness.Run.steps, harness.Run.sampled, harness.Run.finite
+
+    def traced_steps(run):
+        for step in steps(run):
+            phase["now"] = "step"
+            sys.setprofile(profile)
+            yield step
+            sys.setprofile(None)
+
+    def traced_sampled(run):
+        sampled(run)
+        phase["now"] = "update"
+
+    def traced_finite(run, *a):
+        ok = finite(run, *a)
+        phase["now"] = "step"
+        return ok
+    monkeypatch.setattr(harness.Run, "steps", traced_steps)
+    monkeypatch.setattr(harness.Run, "sampled", traced_sampled)
+    monkeypatch.setattr(harness.Run, "finite", traced_finite)
+    try:
+        rloo.main(["--init", tiny_ckpt, "--data", GEN, "--eval_data", GEN, "--template", "compact",
+                   "--eval_problems", "2", "--eval_samples", "1", "--eval_max_new_tokens", "4", "--batch_size", "2",
+                   "--group_size", "4", "--max_response_len", "8", "--max_steps", "1", "--output_dir", str(tmp_path)])
+    finally:
+        sys.setprofile(None)
+    touched = seen["step"] | seen["update"]
+    assert touched == named, f"the step runs through {sorted(touched)}; README names {sorted(named)}"
+    assert seen["update"] <= {"rloo.py", "common.py", "verifier.py", "plumbing/harness.py", "plumbing/checkpoints.py",
+                              "plumbing/models.py"}, sorted(seen["update"])
+    assert {"rloo.py", "common.py"} <= seen["update"]

@@ -446,7 +446,7 @@ def test_no_vocab_wide_graph_outlives_an_update(script, ckpts, tmp_path, monkeyp
 
     from plumbing import harness
     module = __import__(script)
-    alive, end_step = [], harness.Run.end_step
+    alive, log = [], harness.Run.log
     gc.collect()  # graphs an earlier test in this process left (gradient checkpointing's keeps a (252, V) one)
     before = {id(t) for t in gc.get_objects() if torch.is_tensor(t) and t.grad_fn is not None}
 
@@ -455,8 +455,8 @@ def test_no_vocab_wide_graph_outlives_an_update(script, ckpts, tmp_path, monkeyp
         V = run.model.get_output_embeddings().weight.shape[0]
         alive.extend(tuple(t.shape) for t in gc.get_objects() if torch.is_tensor(t) and t.grad_fn is not None
                      and t.shape[-1:] == (V,) and id(t) not in before)
-        return end_step(run, *a, **kw)
-    monkeypatch.setattr(harness.Run, "end_step", spy)
+        return log(run, *a, **kw)
+    monkeypatch.setattr(harness.Run, "log", spy)
     other = {"opd": ["--teacher", ckpts["teacher"]], "rlt": ["--student", ckpts["teacher"]]}.get(script, [])
     module.main(["--init", ckpts["student"], *other, *FAST[1:], "--max_steps", "1", "--output_dir", str(tmp_path)])
     assert alive == []

@@ -321,11 +321,11 @@ def test_the_sft_stages_train_in_the_precision_measured_for_sft_steps(tmp_path):
     assert ran == [("evaluate.py", "bf16=1"), ("sft.py", "bf16=0"), ("evaluate.py", "bf16=1")]
 
 
-@pytest.mark.parametrize("bf16,want", [("1", "32"), ("0", "16")])
-def test_the_rl_stages_micro_batch_follows_their_precision(tmp_path, bf16, want):
-    """The RL stages' micro-batches: 32 rollouts where they train in bf16, 16 in fp32 (each the
-    faster update there, docs/studies/performance.md), in all three. Broken on purpose: the two
-    sizes swapped failed both cases."""
+@pytest.mark.parametrize("bf16", ["1", "0"])
+def test_the_rl_stages_share_each_prompts_forward_on_either_precision(tmp_path, bf16):
+    """The RL stages' micro-batches: a backward every 128 rollouts (16 whole groups), their rows in
+    forwards of 16, in bf16 and in fp32 (the faster update on both, docs/studies/performance.md),
+    in all three. Broken on purpose (--micro_batch 32 back in run_cpu.sh), it failed both cases."""
     fake, out, calls = tmp_path / "python", tmp_path / "out", tmp_path / "calls"
     fake.write_text(FAKE_PY)
     fake.chmod(0o755)
@@ -337,4 +337,5 @@ def test_the_rl_stages_micro_batch_follows_their_precision(tmp_path, bf16, want)
         assert r.returncode == 0, r.stdout + r.stderr
     trained = [x.split() for x in calls.read_text().splitlines() if x.split()[0] != "evaluate.py"]
     assert [x[0] for x in trained] == ["rloo.py", "grpo.py", "opd.py"]
-    assert all(x[x.index("--micro_batch") + 1] == want for x in trained)
+    assert all(x[x.index("--micro_batch") + 1] == "128" and x[x.index("--forward_rows") + 1] == "16"
+               for x in trained)

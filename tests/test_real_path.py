@@ -173,17 +173,21 @@ def test_rloo_and_opd_mu_is_the_sampler_unless_mu_trainer(module, flags, tmp_pat
 
 
 # ---- checkpoints, tokenizers, frozen models --------------------------------------------------------
-def test_the_checkpoint_is_written_before_the_evaluation_that_may_fail(tmp_path, tiny_ckpt):
-    model, tok = M.load_model(tiny_ckpt)
-    opt = torch.optim.AdamW(model.parameters())
+@pytest.mark.parametrize("module", [rloo])
+def test_the_checkpoint_is_written_before_the_evaluation_that_may_fail(module, tmp_path, tiny_ckpt, monkeypatch):
+    """The loop's last step writes its checkpoint, then evaluates: an evaluation that fails (a GPU out
+    of memory in the final one) loses no training. Broken on purpose (the two lines swapped), it failed."""
+    from test_rl_signal import ONE_STEP
+    calls = []
 
-    def evaluate():
-        raise RuntimeError("CUDA out of memory in the final evaluation")
-    run = L.Run(str(tmp_path), 1, model, tok, opt, evaluate, eval_first=False)
+    def eval_metrics(*a, **kw):  # step 0's evaluation passes, the last one fails
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("CUDA out of memory in the final evaluation")
+        return {}
+    monkeypatch.setattr(module, "eval_metrics", eval_metrics)
     with pytest.raises(RuntimeError):
-        for step in run.steps():
-            run.finite(step, 0.0, torch.tensor(0.0))
-            run.end_step(step, {})
+        module.main(["--init", tiny_ckpt, *ONE_STEP, "--output_dir", str(tmp_path)])
     assert os.path.isfile(tmp_path / "config.json") and os.path.isfile(tmp_path / "model.safetensors")
 
 

@@ -204,13 +204,13 @@ def test_fixed_seed_is_deterministic_on_cpu(module, tiny_ckpt, tmp_path):
 
 @pytest.mark.parametrize("module", [rloo, grpo, opd])
 def test_a_step_is_the_same_in_any_micro_batches(module, tiny_ckpt, tmp_path, monkeypatch):
-    """run_cpu.sh sizes --micro_batch for speed (32 rollouts, not 64: a CPU update 1.25-1.4x faster),
-    which is free only if each micro-batch adds its share of the step's loss, divided by the whole
-    step's counts: one step in micro-batches of 1 and of all 6 rollouts logs one loss and gradient,
+    """run_cpu.sh sizes --micro_batch and --forward_rows for speed, which is free only if each
+    micro-batch adds its share of the step's loss, divided by the whole step's counts: one step in
+    micro-batches of 1 and of all 6 rollouts (shared: one group, two) logs one loss and gradient,
     with each prompt's forward shared by its rollouts (a CPU's default) or every row whole.
     Rewards 0, 1, 0, ... (a random model earns none), so that every term pulls. Broken on purpose
-    (each script without its `prompts.backward()`): the shared steps' grad_norm moved, and this
-    failed for each script."""
+    (the prompts' cache detached in decoder_states: their share of the gradient lost), the shared
+    steps' grad_norm moved, and this failed for each script."""
     def alternating(*args, **kwargs):
         scores, reward = S.score_rollouts(*args, **kwargs)
         return scores, torch.arange(reward.numel()).remainder(2).float().view_as(reward)
@@ -232,52 +232,97 @@ def test_a_step_is_the_same_in_any_micro_batches(module, tiny_ckpt, tmp_path, mo
     assert rows[2]["train/grad_norm"] == pytest.approx(rows[0]["train/grad_norm"], rel=rel)
 
 
-def test_the_shared_prompt_forward_is_the_per_row_forward(tiny_ckpt):
-    """plumbing/shared_prompts.py, the RL updates' forward on a CPU, against transformers' forward of
-    every row whole (the same model, fp32): each rollout's log-probs, entropy and KL to a teacher (OPD's,
-    its prompts shared too), and the weights' gradient, the prompts' share of it (Prompts.backward)
-    included. Prompts of 4-12 tokens, rollouts of 1-9, in micro-batches that mix prompts; and its two
-    attentions, fused (fp32's) and eager (bf16 autocast's), on the same rows. Broken on purpose, each failed: the rollouts' RoPE positions one
-    further on, the prompts' padding not masked, Prompts.backward() doing nothing, the fused mask
-    flipped, the eager one without the prompts' padding, the teacher's prompts one group off."""
-    from plumbing.shared_prompts import Prompts, layers
-    model, tok = M.load_model(tiny_ckpt)
+def random_rollouts(gen, prompt_lens, completion_lens):
+    """Rollouts of random tokens: len(completion_lens) // len(prompt_lens) a prompt."""
+    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in prompt_lens]
+    completions = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in completion_lens]
+    return S.Rollouts(prompts, completions, [[0.0] * len(c) for c in completions],
+                      [""] * len(completions), [True] * len(completions))
+
+
+def shared_or_per_row(model, samples, shared, size, teacher=None, terms=lambda s: s["logp"]):
+    """Each row's masked log-probs, entropy and KL to `teacher` (row -> (3, n)), and the weights'
+    gradient of terms(stats) summed over the rows, one backward per micro-batch as the scripts do."""
+    model.zero_grad()
+    values = {}
+    for rows, ids, attn, mask, _, prompts in S.micro_batches(samples, size, 1, "cpu", shared):
+        assert (prompts is not None) == shared
+        stats = S.token_stats(model, ids, attn, mask, 0.7, entropy=True, teacher=teacher, prompts=prompts)
+        (terms(stats) * mask[:, 1:]).sum().backward()
+        for i, r in enumerate(rows):
+            values[r] = torch.stack([stats[k][i][mask[i, 1:].bool()] for k in ("logp", "entropy", "kl")]).detach()
+    return values, [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def tiny_llama(vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(3)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+
+
+def tiny_lora(tiny_ckpt):
+    from peft import LoraConfig, get_peft_model
+    model, _ = M.load_model(tiny_ckpt)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():  # B = 0 at init: a LoRA that does something
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "lora"])
+def test_the_shared_prompt_forward_is_the_per_row_forward(arch, tiny_ckpt):
+    """common.decoder_states, the RL updates' forward on a CPU (each prompt once for its group, its
+    keys and values the cache its rows continue from), against the same model's forward of every row
+    whole, in fp32: each rollout's log-probs, entropy and KL to a teacher (OPD's, whose prompts are
+    shared too), and the weights' gradient from the one backward a micro-batch, the prompts' share
+    included: no second backward anywhere. Qwen2, Llama and a LoRA-wrapped Qwen2; prompts of 4-12
+    tokens, rollouts of 1-9, micro-batches of one group and of two. Broken on purpose, each failed:
+    the rollouts' positions one further on, the prompts' left padding attended to, the cache detached
+    before it is expanded (the prompts' share of the gradient lost), the rows' prompts one group off."""
+    _, tok = M.load_model(tiny_ckpt)
+    model = {"qwen2": lambda: M.load_model(tiny_ckpt)[0], "llama": lambda: tiny_llama(len(tok)),
+             "lora": lambda: tiny_lora(tiny_ckpt)}[arch]()
     teacher, _ = M.load_model(tiny_ckpt)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # another model, so that the KL is not 0
         for p in teacher.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (7, 12, 4)]
-    completions = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (5, 1, 9, 3, 8, 2, 6, 4, 7)]
-    samples = S.Rollouts(prompts, completions, [[0.0] * len(c) for c in completions], [""] * 9, [True] * 9)
+    samples = random_rollouts(gen, (7, 12, 4), (5, 1, 9, 3, 8, 2, 6, 4, 7))
+    terms = lambda s: s["logp"] + 0.3 * s["entropy"] + s["kl"]  # noqa: E731
+    per_row, g_per_row = shared_or_per_row(model, samples, False, 4, teacher, terms)
+    for size in (3, 6):  # a group, two groups
+        shared, g_shared = shared_or_per_row(model, samples, True, size, teacher, terms)
+        for r in per_row:
+            assert torch.allclose(per_row[r], shared[r], atol=2e-5), (r, (per_row[r] - shared[r]).abs().max())
+        assert sum(v[2].sum() for v in shared.values()) > 0.1
+        assert sum(g.abs().sum() for g in g_per_row) > 0
+        for a, b in zip(g_per_row, g_shared):  # fp32 sums in other orders
+            assert (a - b).norm() <= 1e-4 * a.norm() + 1e-7, ((a - b).norm(), a.norm())
 
-    def step(shared):
-        model.zero_grad()
-        shared_prompts, out = Prompts(model, prompts, 3, shared), []
-        with torch.no_grad():
-            teacher_prompts = Prompts(teacher, prompts, 3, shared, fused=True)
-        for rows, ids, attn, mask, _ in S.micro_batches(samples, 4, tok.pad_token_id, "cpu"):
-            stats = S.token_stats(model, ids, attn, mask, 0.7, entropy=True, teacher=teacher,
-                                  prompts=shared_prompts.of(rows), teacher_prompts=teacher_prompts.of(rows))
-            ((stats["logp"] + 0.3 * stats["entropy"] + stats["kl"]) * mask[:, 1:]).sum().backward()
-            out.append(torch.cat([stats["logp"], stats["entropy"], stats["kl"]]).detach())
-            assert stats["kl"].sum() > 0.1
-        shared_prompts.backward()
-        return out, [p.grad.clone() for p in model.parameters()]
-    (per_row, g_per_row), (shared, g_shared) = step(False), step(True)
-    for a, b in zip(per_row, shared):
-        assert torch.allclose(a, b, atol=2e-5), (a - b).abs().max()
-    assert sum(g.abs().sum() for g in g_per_row) > 0
-    for a, b in zip(g_per_row, g_shared):  # fp32 sums in other orders
-        assert (a - b).norm() <= 1e-4 * a.norm() + 1e-7, ((a - b).norm(), a.norm())
-    shared_prompts, which = Prompts(model, prompts, 3), torch.tensor([0, 1, 2, 2])  # padded, or not
-    ids = torch.randint(5, 300, (4, 6), generator=gen)
-    pos = shared_prompts.lens[which][:, None] + torch.arange(6)                                  # (4, 6)
-    past = [(k[which], v[which]) for k, v in shared_prompts.kv]
-    with torch.no_grad():
-        fused, eager = (layers(model.get_decoder(), ids, pos, shared_prompts.bias[which], past, fused=f)[0]
-                        for f in (True, False))
-    assert torch.allclose(fused, eager, atol=1e-5), (fused - eager).abs().max()
+
+def test_micro_batches_of_whole_groups_keep_their_rows_aligned():
+    """Shared: every micro-batch holds whole groups (at least one), each row's prompt is its group's,
+    the inputs are the prompt's last token then the completion, the mask the completion, and the
+    sampler's log-probs sit where token_stats puts the trainer's. Broken on purpose (a group split
+    over two micro-batches, the last prompt token left out), it failed."""
+    gen = torch.Generator().manual_seed(4)
+    samples = random_rollouts(gen, (5, 3, 8), (4, 2, 7, 1, 3, 6))
+    samples.logprobs = [[-(r + 1) - 0.01 * t for t in range(len(c))] for r, c in enumerate(samples.completion_ids)]
+    seen = []
+    for rows, ids, attn, mask, lp, prompts in S.micro_batches(samples, 3, 1, "cpu", True):
+        assert len(rows) == 2 and rows[0] // 2 == rows[1] // 2  # one whole group of 2
+        seen += rows
+        for i, r in enumerate(rows):
+            p, c = samples.prompt_ids[r // 2], samples.completion_ids[r]
+            g = prompts.group[i]
+            assert prompts.ids[g][prompts.attention_mask[g].bool()].tolist() == p[:-1]
+            assert ids[i, :len(c) + 1].tolist() == [p[-1]] + c
+            assert mask[i].tolist() == [0] + [1] * len(c) + [0] * (ids.shape[1] - len(c) - 1)
+            assert lp[i][mask[i, 1:].bool()].tolist() == pytest.approx(samples.logprobs[r])
+    assert sorted(seen) == list(range(6))
 
 
 @pytest.mark.parametrize("module", [rloo, grpo])
@@ -355,30 +400,19 @@ def test_rl_learns_a_fixed_problem_set(module, sft_model, tmp_path):
     assert last > first + 0.05, acc
 
 
-def test_the_bf16_shared_forward_is_as_close_to_fp32_as_transformers_bf16(tiny_ckpt, monkeypatch):
-    """Under bf16 autocast (a CPU with native bf16), shared_prompts' eager attention takes its softmax
-    over the bf16 scores (torch's kernel computes it in fp32), not over an fp32 copy: its log-probs and
-    gradient must stay as near the fp32 forward's as transformers' bf16 eager attention (fp32 softmax)
-    is. Broken on purpose, it failed: that softmax's sum accumulated in bf16 (1.5x the error)."""
-    from plumbing.shared_prompts import Prompts
-    model, tok = M.load_model(tiny_ckpt)
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (9, 12)]
-    completions = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in (60, 41, 55, 30, 64, 48)]
-    samples = S.Rollouts(prompts, completions, [[0.0] * len(c) for c in completions], [""] * 6, [True] * 6)
+def test_the_bf16_shared_forward_is_as_close_to_fp32_as_the_per_row_one(tiny_ckpt, monkeypatch):
+    """Under bf16 autocast (a CPU with native bf16) the shared forward runs transformers' own eager
+    attention over the prompts' cache: its log-probs and gradient must stay as near the fp32 forward's
+    as the per-row bf16 forward's are (the same kernels, other shapes). Broken on purpose, it failed:
+    the padding's mask cast to bf16 as it is (fp32's min rounds to -inf: a padded prompt's NaN)."""
+    model, _ = M.load_model(tiny_ckpt)
+    samples = random_rollouts(torch.Generator().manual_seed(2), (9, 12), (60, 41, 55, 30, 64, 48))
 
     def step(bf16, shared):
         monkeypatch.setenv("COUNTDOWN_CPU_BF16", bf16)
-        model.zero_grad()
         with S.autocast("cpu", model):
-            shared_prompts, logps = Prompts(model, prompts, 3, shared), []
-        for rows, ids, attn, mask, _ in S.micro_batches(samples, 3, tok.pad_token_id, "cpu"):
-            with S.autocast("cpu", model):
-                logp = S.token_stats(model, ids, attn, mask, 0.7, prompts=shared_prompts.of(rows))["logp"]
-            (logp * mask[:, 1:]).sum().backward()
-            logps.append(logp.detach().flatten())
-        shared_prompts.backward()
-        return torch.cat(logps), torch.cat([p.grad.flatten() for p in model.parameters()])
+            values, grads = shared_or_per_row(model, samples, shared, 6)  # both groups: one prompt padded
+        return torch.cat([values[r][0] for r in sorted(values)]), torch.cat([g.flatten() for g in grads])
     logp32, g32 = step("0", False)
     (logp_hf, g_hf), (logp_shared, g_shared) = step("1", False), step("1", True)
     err_hf, err_shared = (g_hf - g32).norm() / g32.norm(), (g_shared - g32).norm() / g32.norm()

@@ -55,7 +55,7 @@ def record(monkeypatch, module, name):
 def seq_logp(model, tok, ro, temperature=1.0):
     """Mean log-prob per token of each rollout (n,) under `model`, in fp32."""
     rows = list(range(len(ro.completion_ids)))
-    ids, attn, mask, _ = LP.rollout_batch(ro, rows, tok.pad_token_id)
+    ids, attn, mask, _ = LP.rollout_batch(ro, rows, tok.pad_token_id)[:4]
     logp = LP.token_stats(model, ids, attn, mask, temperature)["logp"]
     m = mask[:, 1:].float()
     return (logp * m).sum(-1) / m.sum(-1)

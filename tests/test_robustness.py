@@ -185,3 +185,12 @@ def test_clear_one_line_errors(ckpt, tmp_path):
     if importlib.util.find_spec("vllm") is None:
         one_line_error(run("evaluate.py", "--model", ckpt, "--backend", "vllm", "--data", GEN, "--num_problems", "2"),
                        "--backend vllm needs vLLM")
+
+
+def test_a_missing_local_init_names_the_folder_and_the_stage_that_makes_it(tmp_path):
+    """`python rloo.py --init out/sft` before SFT ran: `out/sft` has a hub id's shape, and was
+    taken for one; now one line names the missing folder and the command that writes it."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--init", "out/sft", "--output_dir",
+                        str(tmp_path / "rloo")], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "no such checkpoint dir: out/sft" in r.stderr and "python sft.py" in r.stderr, r.stderr

@@ -44,7 +44,7 @@ def last_logits(model, ids):
 
 def assert_logprobs_are_the_trainers(model, tok, ro, temperature):
     rows = list(range(len(ro.completion_ids)))
-    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, rows, tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, rows, tok.pad_token_id)[:4]
     with torch.no_grad():
         logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]
     sel = mask[:, 1:].bool()
@@ -210,7 +210,7 @@ def test_a_gpu_decodes_under_bf16_autocast(decode, cache, attr, monkeypatch):
     ro = S.HFSampler(model, tok, decode=decode).generate(PROMPTS, 2, 1.0, max_new_tokens=16, seed=0)
     assert dtypes == [torch.bfloat16]
     rows = list(range(len(ro.completion_ids)))
-    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, rows, tok.pad_token_id)
+    ids, attn, mask, sampler_lp = LP.rollout_batch(ro, rows, tok.pad_token_id)[:4]
     with torch.no_grad():
         logp = token_stats(model, ids, attn, mask)["logp"]
     gap = (logp - sampler_lp)[mask[:, 1:].bool()].abs()
