@@ -154,7 +154,6 @@ class StepStats:
     def __init__(self, n_rows, n_tokens, model=None):
         self.n_rows, self.n_tokens = n_rows, max(n_tokens, 1)
         self.sums, self.maxima, self.gap = {}, {}, 0.0
-        self.diagnose = model is not None  # a step that measures each loss term's own gradient
         self.params = [] if model is None else [p for p in model.parameters() if p.requires_grad]
         self.grads = {}  # term -> its gradient, summed over micro-batches
 

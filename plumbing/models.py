@@ -151,19 +151,22 @@ def bf16_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, 
     b, H, T, d = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     q = query.reshape(b * Hkv, H // Hkv * T, d)                              # (b·Hkv, g·T, d)
-    # cast to the matmul's dtype (autocast's bf16; RoPE made q fp32), then copied: clamped first,
-    # since fp32's min rounds to -inf and a row all padding (a left-padded prompt's) to NaN
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-    mask = attention_mask.clamp(min=torch.finfo(dtype).min).to(dtype)[:, :, None].expand(
-        b, Hkv, H // Hkv, T, S)
-    scores = torch.baddbmm(mask.reshape(b * Hkv, -1, S), q, key.flatten(0, 1).transpose(1, 2),
-                           alpha=scaling)                                           # (b·Hkv, g·T, S)
+    mask = attention_mask.to(q.dtype) if not torch.is_autocast_enabled("cpu") else attention_mask
+    mask = mask[:, :, None].expand(b, Hkv, H // Hkv, T, S).reshape(b * Hkv, -1, S)  # one copy
+    scores = torch.baddbmm(mask, q, key.flatten(0, 1).transpose(1, 2), alpha=scaling)  # (b·Hkv, g·T, S)
     out = torch.bmm(scores.softmax(-1), value.flatten(0, 1)).view(b, H, T, d)
     return out.transpose(1, 2), None                                                # (b, T, H, d)
 
 
+def bf16_mask(*args, **kwargs):
+    """bf16_eager's mask, built once a forward for its layers: transformers' eager one in bf16, the
+    dtype its matmul runs in under autocast, whose min is finite (fp32's rounds to -inf in bf16,
+    and a row all padding, a left-padded prompt's, to NaN)."""
+    return eager_mask(*args, **{**kwargs, "dtype": torch.bfloat16})
+
+
 AttentionInterface.register("bf16_eager", bf16_eager)
-AttentionMaskInterface.register("bf16_eager", eager_mask)
+AttentionMaskInterface.register("bf16_eager", bf16_mask)
 
 
 def frozen_dtype(device):

@@ -9,6 +9,7 @@ import importlib
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from conftest import ROOT
@@ -212,3 +213,12 @@ def test_every_declared_dependency_is_imported():
             elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
                 imported.add(n.module.split(".")[0])
     assert names <= imported, f"declared, never imported: {sorted(names - imported)}"
+
+
+def test_a_training_script_does_not_load_the_report():
+    """The scripts import evaluate.py for their in-loop evaluation; its report and publish commands
+    (plumbing/report.py, matplotlib) load only for evaluate.py's own command line."""
+    code = ("import sys, rloo, grpo, sft, ipo, opd, rlt; "
+            "print(sorted(m for m in sys.modules if m in ('plumbing.report', 'matplotlib')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
