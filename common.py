@@ -520,7 +520,8 @@ def micro_batches(samples, size, pad_id, device, shared=False, forward_rows=16):
     per micro-batch of `size` rollouts, on `device` (the step's loss is a sum over rollouts: their
     order is free). Per row, rows sorted by length, so a micro-batch holds like lengths and little
     padding. Shared (decoder_states), micro-batches of whole groups, `size` // G of them (at least
-    one), groups in order of their longest rollout."""
+    one), groups in order of their longest rollout, their rows sorted by length and run in forwards
+    of `forward_rows`."""
     lengths = [len(c) for c in samples.completion_ids]
     n = len(lengths) // len(samples.prompt_ids)
     if shared:
