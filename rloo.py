@@ -161,7 +161,7 @@ def main(argv=None):
         scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
                                         args.no_answer_reward)                 # (B*G,), (B, G)
         adv = rloo_advantages(reward, args.positive_weight).flatten()                  # (B*G,)
-        # ---- log-probs and loss, per micro-batch of rollouts (of whole groups: --prompt_forward) ----
+        # ---- log-probs and loss, per micro-batch of rollouts (whole groups: --prompt_forward) ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
         for rows, ids, attn, mask, sampler_logp, prompts in micro_batches(
                 samples, args.micro_batch, tok.pad_token_id, device, share, args.forward_rows):

@@ -291,7 +291,7 @@ def main(argv=None):
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731  per prompt -> per row
         reward, r_ss, r_kl = score_fn(rep(batch_tasks), rep(sols), expl, pen)          # (B*G,) each
         adv = grpo_advantages(reward.view(B, G)).flatten()                             # (B*G,)
-        # ---- log-probs and loss, per micro-batch of rollouts (of whole groups: --prompt_forward) ----
+        # ---- log-probs and loss, per micro-batch of rollouts (whole groups: --prompt_forward) ----
         stats = run.stats(B * G, sum(map(len, samples.completion_ids)))
         for rows, ids, attn, mask, sampler_logp, prompts in micro_batches(
                 samples, args.micro_batch, tok.pad_token_id, device, share, args.forward_rows):
