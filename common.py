@@ -585,17 +585,17 @@ def spans(lengths, max_rows, max_tokens=0):
 def autocast(device, *models):
     """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
     AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
-    (cpu_bf16(), measured by run_cpu.sh), with the `models` switched to eager attention
-    (plumbing/models.py's bf16_eager): the fused one is 4x slower in bf16 backward. A model left out (OPD's teacher)
-    stays fused, faster with no backward (0.95 s against 1.7); a reference is listed, to equal the policy (a KL of exactly 0).
-    Without `models`, or on another CPU, plain fp32: sampling is fastest that way here."""
-    models = [m for m in models if m is not None
-              ] if device == "cpu" and trains_in_bf16(device) else []  # None: no ref
+    (cpu_bf16(), measured by run_cpu.sh); else plain fp32. On a CPU the `models` run the grouped
+    eager attention (plumbing/models.py's cpu_eager): the fused one is 4x slower in bf16 backward,
+    and the RL updates 1.1x in fp32. A model left out (OPD's teacher) stays fused, faster with no
+    backward (0.95 s against 1.7); a reference is listed, to equal the policy (a KL of exactly 0)."""
+    models = [m for m in models if m is not None] if device == "cpu" else []  # None: no ref
     before = [m.config._attn_implementation for m in models]
     try:
         for m in models:
-            m.set_attn_implementation("bf16_eager")
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or bool(models)):
+            m.set_attn_implementation("cpu_eager")
+        bf16 = device == "cuda" or (device == "cpu" and trains_in_bf16(device))
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             yield
     finally:
         for m, impl in zip(models, before):

@@ -66,8 +66,8 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if device == "cpu" and trains_in_bf16(device):  # common.autocast's attention for good:
-            model.set_attn_implementation("bf16_eager")  # the recompute must run the forward's
+        if device == "cpu":  # common.autocast's attention for good: the recompute must run the
+            model.set_attn_implementation("cpu_eager")  # forward's
     if lora_rank > 0:
         try:
             from peft import LoraConfig, get_peft_model

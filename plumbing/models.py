@@ -141,12 +141,13 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     return model, tokenizer
 
 
-def bf16_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager attention as a CPU computes it fastest in bf16, registered under its
-    name (common.autocast sets it): each KV head's g query heads as g·T rows of one matmul (no
-    copy of the keys per head), the mask added inside it, and the softmax over the bf16 scores
+def cpu_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' eager attention as a CPU trains fastest, registered under its name
+    (common.autocast sets it): each KV head's g query heads as g·T rows of one matmul (no copy of
+    the keys per head), the mask added inside it, and in bf16 the softmax over the bf16 scores
     (torch's CPU kernel sums in fp32), not over an fp32 copy each way: a GRPO update 0.87x as the
-    hand-written forward measured it (docs/studies/performance.md).
+    hand-written forward measured it. In fp32 too: the three RL stages side by side ran their
+    updates 0.91x as with torch's fused attention (docs/studies/performance.md).
     query (b, H, T, d), key and value (b, Hkv, S, d), attention_mask (b, 1, T, S) -inf or 0."""
     b, H, T, d = query.shape
     Hkv, S = key.shape[1], key.shape[2]
@@ -158,15 +159,16 @@ def bf16_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, 
     return out.transpose(1, 2), None                                                # (b, T, H, d)
 
 
-def bf16_mask(*args, **kwargs):
-    """bf16_eager's mask, built once a forward for its layers: transformers' eager one in bf16, the
-    dtype its matmul runs in under autocast, whose min is finite (fp32's rounds to -inf in bf16,
-    and a row all padding, a left-padded prompt's, to NaN)."""
-    return eager_mask(*args, **{**kwargs, "dtype": torch.bfloat16})
+def cpu_mask(*args, **kwargs):
+    """cpu_eager's mask, built once a forward for its layers: transformers' eager one in the dtype
+    its matmul runs in, under autocast bf16, whose min is then finite (fp32's rounds to -inf in
+    bf16, and a row all padding, a left-padded prompt's, to NaN)."""
+    bf16 = torch.is_autocast_enabled("cpu")
+    return eager_mask(*args, **{**kwargs, "dtype": torch.bfloat16 if bf16 else torch.float32})
 
 
-AttentionInterface.register("bf16_eager", bf16_eager)
-AttentionMaskInterface.register("bf16_eager", bf16_mask)
+AttentionInterface.register("cpu_eager", cpu_eager)
+AttentionMaskInterface.register("cpu_eager", cpu_mask)
 
 
 def frozen_dtype(device):

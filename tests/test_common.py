@@ -136,30 +136,33 @@ def tiny():
     return M.load_model("tiny")
 
 
-def test_the_bf16_attention_is_transformers_eager_one(monkeypatch):
-    """plumbing/models.py's bf16_eager (a KV head's query heads as rows of one matmul, the softmax over bf16
-    scores) against transformers' eager attention under the same autocast, rows left-padded (a row
-    all padding must not turn NaN): the same hidden states within bf16 rounding. Broken on purpose
-    (the KV heads swapped; the mask's -inf from fp32's min), it failed."""
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_cpu_attention_is_transformers_eager_one(bf16):
+    """plumbing/models.py's cpu_eager (a KV head's query heads as rows of one matmul; in bf16 the
+    softmax over bf16 scores) against transformers' eager attention under the same autocast, or none
+    (fp32), rows left-padded (a row all padding must not turn NaN): the same hidden states within
+    bf16 rounding, or fp32's. Broken on purpose (the KV heads swapped; the mask's -inf from fp32's
+    min in bf16; the mask left out in fp32), it failed."""
     model = qwen_like(64).eval()
     ids = torch.randint(0, 64, (3, 12))
     attn = (torch.arange(12)[None] >= torch.tensor([0, 3, 7])[:, None]).long()  # left padding
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     out = {}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        for impl in ("eager", "bf16_eager"):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for impl in ("eager", "cpu_eager"):
             model.set_attn_implementation(impl)
             out[impl] = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos
                                             ).last_hidden_state.float()
-    assert torch.isfinite(out["bf16_eager"]).all()
+    assert torch.isfinite(out["cpu_eager"]).all()
     real = attn.bool()
-    diff = (out["eager"] - out["bf16_eager"])[real].abs().max()
-    assert diff < 0.05 * out["eager"][real].abs().max(), diff
+    diff = (out["eager"] - out["cpu_eager"])[real].abs().max()
+    assert diff < (0.05 if bf16 else 1e-5) * out["eager"][real].abs().max(), diff
 
 
 def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     """CPU bf16 (cpu_bf16()): bf16 compute with eager attention inside, the model as it was after,
-    even after an error; values within bf16 rounding of fp32. COUNTDOWN_CPU_BF16=0: plain fp32."""
+    even after an error; values within bf16 rounding of fp32. COUNTDOWN_CPU_BF16=0: fp32, the same
+    attention."""
     model = qwen_like(64).train()
     model.set_attn_implementation("sdpa")
     ids = torch.randint(0, 64, (3, 12))
@@ -167,7 +170,7 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     fp32 = LP.token_stats(model, ids, attn, mask)["logp"]
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
     with LP.autocast("cpu", model, None):
-        assert model.config._attn_implementation == "bf16_eager"
+        assert model.config._attn_implementation == "cpu_eager"
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         bf16 = LP.token_stats(model, ids, attn, mask)["logp"]
     assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
@@ -176,9 +179,10 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
         raise RuntimeError("inside")
     assert model.config._attn_implementation == "sdpa"
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")
-    with LP.autocast("cpu", model):
-        assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
-        assert torch.equal(LP.token_stats(model, ids, attn, mask)["logp"], fp32)
+    with LP.autocast("cpu", model):  # fp32: the same attention, not autocast
+        assert model.config._attn_implementation == "cpu_eager" and not torch.is_autocast_enabled("cpu")
+        assert torch.allclose(LP.token_stats(model, ids, attn, mask)["logp"], fp32, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_mask_keeps_eos_and_drops_prompt_and_padding():
