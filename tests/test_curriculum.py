@@ -29,6 +29,27 @@ def test_tiers_by_operand_count_then_target_bins():
     assert C.tiers(tasks, 4) == [[2], [4], [5], [1], [0], [3]]  # no empty tier
 
 
+def test_tiers_on_a_generated_three_and_four_number_pool_unlock_in_order():
+    """The 3/4 lane's curriculum (--curriculum tiers on its balanced mix): the pool opens 3-number
+    problems first, by target, then 4-number ones, by target, and every tier adds its own problems
+    and keeps the ones before. Broken on purpose (tiers by target alone), it failed."""
+    import verifier as V
+    tasks = V.generate_splits({"train": 400}, 5, (3, 4), (1, 20), (10, 100))["train"]
+    cur = C.make_curriculum("tiers", tasks, 2, window=1, threshold=0.5)
+    pools = [cur.pool()]
+    while cur.update(1.0)["train/curriculum_level"] < len(cur.tiers) - 1:
+        pools.append(cur.pool())
+    pools.append(cur.pool())
+    assert len(pools) == 4 and sorted(pools[-1]) == list(range(400))
+    counts = [{len(tasks[i]["nums"]) for i in p} for p in pools]
+    assert counts == [{3}, {3}, {3, 4}, {3, 4}]
+    added = [sorted(set(b) - set(a)) for a, b in zip([[]] + pools, pools)]
+    assert all(set(a) < set(b) for a, b in zip(pools, pools[1:]))
+    assert max(tasks[i]["target"] for i in added[0]) <= min(tasks[i]["target"] for i in added[1])
+    assert {len(tasks[i]["nums"]) for i in added[2] + added[3]} == {4}
+    assert max(tasks[i]["target"] for i in added[2]) <= min(tasks[i]["target"] for i in added[3])
+
+
 def test_curriculum_unlocks_on_the_full_window_mean_and_clears_it():
     cur = C.Curriculum([[0], [1, 2], [3]], window=2, threshold=0.5)
     assert cur.pool() == [0]
