@@ -192,20 +192,22 @@ def _solvable(values, target):
     return False
 
 
-def generate_splits(sizes, seed=0, num_numbers=(3, 4), num_range=(1, 99), target_range=(10, 100)):
+def generate_splits(sizes, seed=0, num_numbers=(3, 4), num_range=(1, 99), target_range=(10, 100),
+                    balanced=True):
     """Disjoint splits of distinct problems, e.g. sizes={"test": 500, "train": 10000}. As the
     Stream-of- Search generator of Countdown-Tasks-3to4: uniform numbers and target, kept if
     solvable with every number under the generator's rule. The count: balanced, as paper 001's 3/4
     mix, where that generator's uniform draw kept more 4-number problems (more of them solvable):
     each draw takes the count this split holds fewest of (a tie: drawn uniformly), so every prefix
-    of a split is balanced to one problem. Splits fill in order (test first: it stays put when
+    of a split is balanced to one problem (`balanced` False: the count drawn uniformly, as the
+    tiny tokenizer's corpus was). Splits fill in order (test first: it stays put when
     train grows). A small space runs dry: after 5,000 rejections in a row the rest comes back
     short."""
     rng, seen, out, misses = random.Random(seed), set(), {name: [] for name in sizes}, 0
     for name, n in sizes.items():
         have = dict.fromkeys(num_numbers, 0)  # this split's problems of each count
         while len(out[name]) < n and misses < 5000:
-            fewest = [c for c in num_numbers if have[c] == min(have.values())]
+            fewest = [c for c in num_numbers if have[c] == min(have.values()) or not balanced]
             nums = [rng.randint(*num_range) for _ in range(rng.choice(fewest))]
             key = (tuple(sorted(nums)), rng.randint(*target_range))
             if key in seen or not _solvable(*key):

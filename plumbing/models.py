@@ -58,7 +58,7 @@ def build_tiny_tokenizer(vocab_size=384):
     from transformers import PreTrainedTokenizerFast
     rng, corpus = random.Random(0), []
     for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25),
-                                         target_range=(1, 200))["x"]:
+                                         target_range=(1, 200), balanced=False)["x"]:
         for template in TEMPLATES:
             corpus.append(
                 make_prompt(task["nums"], task["target"], template)
