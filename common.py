@@ -586,8 +586,8 @@ def autocast(device, *models):
     """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
     AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
     (cpu_bf16(), measured by run_cpu.sh); else plain fp32. On a CPU the `models` run the grouped
-    eager attention (plumbing/models.py's cpu_eager): the fused one is 4x slower in bf16 backward,
-    and the RL updates 1.1x in fp32. A model left out (OPD's teacher) stays fused, faster with no
+    eager attention (plumbing/models.py's cpu_eager): with the fused one a bf16 backward took 4x as
+    long, an fp32 RL update 1.1x. A model left out (OPD's teacher) stays fused, faster with no
     backward (0.95 s against 1.7); a reference is listed, to equal the policy (a KL of exactly 0)."""
     models = [m for m in models if m is not None] if device == "cpu" else []  # None: no ref
     before = [m.config._attn_implementation for m in models]
