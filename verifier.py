@@ -194,15 +194,12 @@ def _solvable(values, target):
 
 def generate_splits(sizes, seed=0, num_numbers=(3, 4), num_range=(1, 99), target_range=(10, 100),
                     balanced=True):
-    """Disjoint splits of distinct problems, e.g. sizes={"test": 500, "train": 10000}. As the
-    Stream-of- Search generator of Countdown-Tasks-3to4: uniform numbers and target, kept if
-    solvable with every number under the generator's rule. The count: balanced, as paper 001's 3/4
-    mix, where that generator's uniform draw kept more 4-number problems (more of them solvable):
-    each draw takes the count this split holds fewest of (a tie: drawn uniformly), so every prefix
-    of a split is balanced to one problem (`balanced` False: the count drawn uniformly, as the
-    tiny tokenizer's corpus was). Splits fill in order (test first: it stays put when
-    train grows). A small space runs dry: after 5,000 rejections in a row the rest comes back
-    short."""
+    """Disjoint splits of distinct problems, e.g. sizes={"test": 500, "train": 10000}, as the
+    Stream-of-Search generator: uniform numbers and target, kept if solvable. The count balanced
+    (001's 3/4 mix; a uniform draw keeps mostly 4-number ones): each draw takes the count its split
+    holds fewest of, a tie drawn uniformly (`balanced` False: always uniform, the tiny tokenizer's
+    corpus). Splits fill in order (test first: it stays put when train grows); a small space runs
+    dry after 5,000 rejections in a row, the rest short."""
     rng, seen, out, misses = random.Random(seed), set(), {name: [] for name in sizes}, 0
     for name, n in sizes.items():
         have = dict.fromkeys(num_numbers, 0)  # this split's problems of each count
