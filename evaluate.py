@@ -151,17 +151,21 @@ def summarize(records):
     def pass_table(cs):
         return {str(k): sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in _ks(n)}
 
-    by_size = {}
-    for size in sorted({len(r["nums"]) for r in records}):
-        cs = [c for c, r in zip(correct, records) if len(r["nums"]) == size]
-        by_size[str(size)] = {"num_problems": len(cs), "pass_at_k": pass_table(cs)}
     scores = [s for r in records for s in r["scores"]]
-    # per-problem pass@1; its standard error is the ± of the headline number
-    p1 = [c / n for c in correct]
-    se = (sum((x - sum(p1) / len(p1)) ** 2 for x in p1) / max(len(p1) - 1, 1) / len(p1)) ** 0.5
     # every completion beside its problem's target
     texts = [c for r in records for c in r.get("completions", [])]
     tasks = [r for r in records for _ in r.get("completions", [])]
+    by_size = {}  # 3- against 4-number problems, as paper 002 stratifies its failures
+    for size in sorted({len(r["nums"]) for r in records}):
+        cs = [c for c, r in zip(correct, records) if len(r["nums"]) == size]
+        ss = [s for r in records if len(r["nums"]) == size for s in r["scores"]]
+        mine = [i for i, t in enumerate(tasks) if len(t["nums"]) == size]
+        by_size[str(size)] = {"num_problems": len(cs), "pass_at_k": pass_table(cs),
+                              "format_rate": sum(s > 0 for s in ss) / len(ss),
+                              "mistakes": mistake_shares([texts[i] for i in mine], [tasks[i] for i in mine])}
+    # per-problem pass@1; its standard error is the ± of the headline number
+    p1 = [c / n for c in correct]
+    se = (sum((x - sum(p1) / len(p1)) ** 2 for x in p1) / max(len(p1) - 1, 1) / len(p1)) ** 0.5
     return {"num_problems": len(records), "num_samples": n, "pass_at_k": pass_table(correct),
             "by_size": by_size, "pass_at_1_stderr": se,
             "format_rate": sum(s > 0 for s in scores) / len(scores),

@@ -18,6 +18,9 @@
 #                                       on 2 cores with AVX512-BF16, 9 of them the control's)
 #   RLT_STUDENT=sft RLT=1 ./run_cpu.sh  RLT's reward scored by the SFT model, not teacher_student (chosen on val)
 #   ANTICOLLAPSE=1 ./run_cpu.sh         also paper 000's anti-collapse study (two more OPD stages, ~+10 min)
+#   NUMBERS=3to4 ./run_cpu.sh           the papers' task: a balanced 3/4-number mix (paper 001), 400 test problems,
+#                                       256-token responses, its own shipped base and teacher (pretrained/*-3to4),
+#                                       into out/cpu_3to4 (docs/studies/four_numbers.md)
 #   COMPILE=1 ./run_cpu.sh              torch.compile the SFT stages (it did not pay over 1,000 steps here)
 #   COUNTDOWN_CPU_BF16=0|1 ./run_cpu.sh  train in fp32 or bf16, not the path measured faster on this machine
 #   Each adds to a finished run: its stages run, the finished ones are skipped
@@ -35,6 +38,10 @@ REBUILD_TEACHER=${REBUILD_TEACHER:-}
 SERIAL=${SERIAL:-}
 ANTICOLLAPSE=${ANTICOLLAPSE:-}
 COMPILE=${COMPILE:-}
+NUMBERS=${NUMBERS:-3}
+[[ $NUMBERS == 3 || $NUMBERS == 3to4 ]] || {
+  echo "error: NUMBERS=$NUMBERS: the embedded task has 3 numbers (the default) or a 3to4 mix" >&2; exit 2; }
+LANE=${NUMBERS#3}; LANE=${LANE:+3to4}  # the lane (empty: the default), which names its output and shipped models
 PLAN=""
 UNIT=""  # --unit NAME: run one unit of stages (how plumbing/pipeline.py starts each)
 FLAGS=()
@@ -49,7 +56,7 @@ done
 PY=${PYTHON:-$(if [[ -z ${VIRTUAL_ENV:-} && -x .venv/bin/python ]]; then echo .venv/bin/python;
                else command -v python || command -v python3 || echo python; fi)}
 python() { "$PY" "$@"; }
-OUT=${1:-out/cpu}
+OUT=${1:-out/cpu${LANE:+_$LANE}}
 [[ -n $PLAN ]] || mkdir -p "$OUT/logs"
 if [[ -z $UNIT ]]; then
   python -c "import torch, transformers" 2>/dev/null || {
@@ -67,7 +74,12 @@ fi
 # test evaluation after each stage makes the pass@k tables); training draws from the rest (~12k).
 # 1-9 has only 1,345 problems in all: a tiny model memorizes them (README, "difficulty").
 DATA="gen:nums=3,range=1-20,test=200,val=100"
-COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens 160)
+TEST=200 LEN=160  # test problems, response budget (new tokens) in training and evaluation
+# NUMBERS=3to4: the papers' distribution, 3 and 4 numbers half and half in every split (generate_splits' balanced
+# mix, paper 001), 200 test problems of each; 4-number traces run longer (median 79 tokens, 14 % over 160, 3 % over
+# 256), so 256 (docs/studies/four_numbers.md)
+if [[ -n $LANE ]]; then DATA="gen:nums=3-4,range=1-20,test=400,val=200" TEST=400 LEN=256; fi
+COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens $LEN)
 # Only solving pays: a wrong answer and a search cut short both earn 0 (--wrong_reward 0 --no_answer_reward 0), not
 # paper 000's 0.1 (which paid the policy to claim "found" falsely) nor -0.5 for a wrong answer (which made a search
 # cut short the better bet); chosen on val over both (docs/studies/strategies.md). A small lr (5e-5; 6.7e-5 below), not 2e-4 for 20 steps: at 2e-4
@@ -80,7 +92,7 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # as the three RL stages share two cores here: 16 ran fastest alone, 32 side by side (docs/studies/performance.md,
 # "The shared forward inside autograd"). No --term_grads: each loss term's own gradient
 # (grad/<term>, docs/studies/loss_terms.md) cost a backward per term on 5 steps of each stage, ~12 s each here
-RL=(--lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows 32 --max_response_len 160 --max_steps 75
+RL=(--lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows 32 --max_response_len $LEN --max_steps 75
     --eval_every 25 --save_every 25 --wrong_reward 0 --no_answer_reward 0)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
 # drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/studies/loss_terms.md)
@@ -114,10 +126,10 @@ evaluated() {  # evaluated NAME: paper 000's test evaluation (200 problems x 16 
   # evaluated once the stage had finished: a summary no older than the stage (both can share a timestamp tick)
   if [[ -f $summary && -z $FORCE && ! $OUT/$name/wall_seconds -nt $summary ]]; then
     echo "== $name: evaluated in $OUT/eval/$name, skipping"; return 0; fi
-  echo "== $name: evaluating (200 test problems x 16 samples)"
-  echo "+ python evaluate.py --model $OUT/$name --data $DATA --template compact --num_problems 200 --max_new_tokens 160 --out $OUT/eval/$name"
-  logged "$name" python evaluate.py --model "$OUT/$name" --data "$DATA" --template compact --num_problems 200 \
-    --max_new_tokens 160 --out "$OUT/eval/$name"
+  echo "== $name: evaluating ($TEST test problems x 16 samples)"
+  echo "+ python evaluate.py --model $OUT/$name --data $DATA --template compact --num_problems $TEST --max_new_tokens $LEN --out $OUT/eval/$name"
+  logged "$name" python evaluate.py --model "$OUT/$name" --data "$DATA" --template compact --num_problems $TEST \
+    --max_new_tokens $LEN --out "$OUT/eval/$name"
   python -c "import json, sys; s = json.load(open(sys.argv[1])); p = s['pass_at_k']
 print(f'== {sys.argv[2]}: test pass@1 {p[\"1\"]:.3f} ± {1.96 * s[\"pass_at_1_stderr\"]:.3f}, pass@16 {p[\"16\"]:.3f}')" \
     "$OUT/eval/$name/summary.json" "$name"
@@ -128,15 +140,16 @@ print(f'== {sys.argv[2]}: test pass@1 {p[\"1\"]:.3f} ± {1.96 * s[\"pass_at_1_st
 #    every token a target). 2,000 steps: greedy step error 1.6% (1,200: 5.8%; docs/studies/arithmetic.md). Like a hub
 #    model it is downloaded, not trained, by default: pretrained/tiny-base is this stage's output, built by the
 #    command below (its README says where and how well). --rebuild-base runs that command here instead (about 6 min
-#    on 2 cores with AVX512-BF16, 25 without)
+#    on 2 cores with AVX512-BF16, 25 without). NUMBERS=3to4 has its own (the same command on its data): the 3-number
+#    base gets 30 % of the steps of 4-number paths wrong, this one 3.9 % (benchmarks/arith_probe.py)
 base() {
   if [[ -n $REBUILD_BASE ]]; then
     [[ -f $OUT/base/wall_seconds && $(cat "$OUT/base/wall_seconds") == 0 ]] && rm -rf "$OUT/base"  # a copy: train
     stage base python sft.py --init tiny --data "arith:${DATA#gen:}" --eval_data "$DATA" --lr 2e-3 --warmup 0.08 \
       --batch_size 64 --micro_batch 64 --max_steps 2000 --eval_every 500 --save_every 500 --output_dir "$OUT/base"
   elif [[ -n $FORCE || ! -f $OUT/base/wall_seconds ]]; then
-    echo "+ cp -r pretrained/tiny-base $OUT/base    # the shipped base; --rebuild-base trains it as above"
-    rm -rf "$OUT/base" && cp -r pretrained/tiny-base "$OUT/base" && echo 0 > "$OUT/base/wall_seconds"
+    echo "+ cp -r pretrained/tiny-base${LANE:+-$LANE} $OUT/base    # the shipped base; --rebuild-base trains it as above"
+    rm -rf "$OUT/base" && cp -r "pretrained/tiny-base${LANE:+-$LANE}" "$OUT/base" && echo 0 > "$OUT/base/wall_seconds"
   fi
 }
 
@@ -177,8 +190,8 @@ teacher() {
       --strategies random:0.7,backward:0.3 --output_dir "$OUT/teacher"
   else
     if [[ -n $FORCE || ! -f $OUT/teacher/wall_seconds ]]; then
-      echo "+ cp -r pretrained/tiny-teacher $OUT/teacher    # shipped; --rebuild-teacher trains it as above"
-      rm -rf "$OUT/teacher" && cp -r pretrained/tiny-teacher "$OUT/teacher" && echo 0 > "$OUT/teacher/wall_seconds"
+      echo "+ cp -r pretrained/tiny-teacher${LANE:+-$LANE} $OUT/teacher    # shipped; --rebuild-teacher trains it as above"
+      rm -rf "$OUT/teacher" && cp -r "pretrained/tiny-teacher${LANE:+-$LANE}" "$OUT/teacher" && echo 0 > "$OUT/teacher/wall_seconds"
     fi
     evaluated teacher
   fi
@@ -187,9 +200,9 @@ teacher_student() {
   local accepted=$OUT/teacher/accepted.jsonl
   if [[ ! -f $accepted || -n $FORCE ]]; then
     echo "== teacher: evaluating (4 samples of 2,000 training problems: teacher_student's data)"
-    echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export $accepted"
+    echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --num_samples 4 --template compact --max_new_tokens $LEN --export $accepted"
     logged teacher python evaluate.py --model "$OUT/teacher" --data "$DATA" --split train --num_problems 2000 \
-      --num_samples 4 --template compact --max_new_tokens 160 --export "$accepted"
+      --num_samples 4 --template compact --max_new_tokens $LEN --export "$accepted"
     tail -n 1 "$OUT/logs/teacher.log"  # (its table is of training problems)
   fi
   stage teacher_student python sft.py "${STUDENT[@]}" --data "$accepted" --output_dir "$OUT/teacher_student"
@@ -215,16 +228,16 @@ OPD=(--teacher "$OUT/teacher" --kl_coef 0.03 "${COMMON[@]}" "${RL[@]}" "${PG[@]}
 opd() { stage opd python opd.py --init "$OUT/sft" "${OPD[@]}" --output_dir "$OUT/opd"; }
 grpo() { stage grpo python grpo.py --init "$OUT/sft" "${COMMON[@]}" "${RL[@]}" --group_size 8 --beta 0.04 \
   --output_dir "$OUT/grpo"; }
-ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts 1024 --max_new_tokens 160 \
+ipo() { stage ipo python ipo.py --init "$OUT/sft" "${COMMON[@]}" --lr 3e-5 --num_prompts 1024 --max_new_tokens $LEN \
   --batch_size 64 --micro_batch 32 --epochs 2 --output_dir "$OUT/ipo"; }
 rlt_sft() {  # RLT's format warm-up on the baseline's own data (004 §A.1): the teacher's accepted samples of the
   #             2,000 training problems after RLT's, each rewritten as a teacher example (sft.py --data rlt:FILE)
   local warmup=$OUT/teacher/warmup.jsonl
   if [[ ! -f $warmup || -n $FORCE ]]; then
     echo "== teacher: evaluating (4 samples of training problems 2,000-4,000: rlt_sft's data)"
-    echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --skip_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export $warmup"
+    echo "+ python evaluate.py --model $OUT/teacher --data $DATA --split train --num_problems 2000 --skip_problems 2000 --num_samples 4 --template compact --max_new_tokens $LEN --export $warmup"
     logged rlt_sft python evaluate.py --model "$OUT/teacher" --data "$DATA" --split train --num_problems 2000 \
-      --skip_problems 2000 --num_samples 4 --template compact --max_new_tokens 160 --export "$warmup"
+      --skip_problems 2000 --num_samples 4 --template compact --max_new_tokens $LEN --export "$warmup"
   fi
   stage rlt_sft python sft.py --init "$OUT/sft" "${COMMON[@]}" --micro_batch 16 --data "rlt:$warmup" --lr 1e-3 \
     --warmup 0 --batch_size 64 --max_steps 100 --eval_every 100 --output_dir "$OUT/rlt_sft"
@@ -241,11 +254,11 @@ rlt_sft() {  # RLT's format warm-up on the baseline's own data (004 §A.1): the 
 rlt() {
   rlt_sft
   stage rlt python rlt.py --init "$OUT/rlt_sft" --student "$OUT/$RLT_STUDENT" "${COMMON[@]}" --lr 1e-4 \
-    --batch_size 16 --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 30 --eval_every 10 \
+    --batch_size 16 --group_size 8 --micro_batch 64 --max_response_len $LEN --max_steps 30 --eval_every 10 \
     --no-balance --export "$OUT/rlt/traces.jsonl" --export_redraws 3 --output_dir "$OUT/rlt"
   if [[ -n $RLT_CONTROL ]]; then
     stage rlt0 python rlt.py --init "$OUT/rlt_sft" --student "$OUT/$RLT_STUDENT" "${COMMON[@]}" --batch_size 16 \
-      --group_size 8 --micro_batch 64 --max_response_len 160 --max_steps 0 --no-balance \
+      --group_size 8 --micro_batch 64 --max_response_len $LEN --max_steps 0 --no-balance \
       --export "$OUT/rlt0/traces.jsonl" --export_redraws 3 --output_dir "$OUT/rlt0"
   fi
 }

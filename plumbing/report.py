@@ -198,6 +198,19 @@ def report(out):
               + "".join(f"{st.get(s, {}).get('share', nan):>8.3f}"
                         f"{_num(st.get(s, {}).get('pass@1')):>8.3f}" for s in STRATEGIES)
               + f"{wall if wall is not None else '-':>8}")
+    if sizes:  # a mixed test set (run_cpu.sh's NUMBERS=3to4): pass@1 and pass@k on all and each count
+        by_count = by_operands(results, ks[-1])
+        json.dump(by_count, open(os.path.join(out, "results_by_size.json"), "w"), indent=1)
+        print(f"\nBy operand count (pass@1, pass@{ks[-1]}; mistakes: each kind's share of the samples)")
+        print(f"{'stage':<18}{'count':>6}{'problems':>9}{'pass@1':>8}{'pass@' + ks[-1]:>9}{'answer':>8}"
+              + "".join(f"{k[:5]:>7}" for k in MISTAKES))
+        for n, r in results.items():
+            for s in ["all"] + sizes:
+                part = r if s == "all" else r["by_size"][s]
+                print(f"{n if s == 'all' else '':<18}{s:>6}{part['num_problems']:>9}"
+                      f"{by_count[n]['pass@1'][s]:>8.3f}{by_count[n]['pass@' + ks[-1]][s]:>9.3f}"
+                      f"{part.get('format_rate', nan):>8.3f}"
+                      + "".join(f"{part.get('mistakes', {}).get(k, nan):>7.3f}" for k in MISTAKES))
     budgets = list(first.get("verification", {}).get("budgets", {}))
     print("\nTable 2 (test-time self-verification: sample until the verifier accepts, at most N; "
           "accuracy at N, and the samples drawn on average at N = "
@@ -209,7 +222,16 @@ def report(out):
                                    for N in budgets) + f"{r['best_of_n']['avg_samples']:>8.2f}")
     plot([os.path.join(evals, n) for n in names], os.path.join(out, "pass_at_k.png"), COMPARISONS)
     plot_training(out)
-    print(f"\nwrote {out}/results.json, {out}/pass_at_k.png, {out}/rl_curves.png")
+    print(f"\nwrote {out}/results.json{', results_by_size.json' if sizes else ''}, {out}/pass_at_k.png, "
+          f"{out}/rl_curves.png")
+
+
+def by_operands(results, k):
+    """{stage: {"pass@1": {"all", "3", "4"}, "pass@K": {...}}}: each stage's pass@1 and pass@k over
+    the whole test set and over each operand count's problems (run_cpu.sh's NUMBERS=3to4)."""
+    return {n: {f"pass@{j}": {"all": r["pass_at_k"][j],
+                              **{s: part["pass_at_k"][j] for s, part in r["by_size"].items()}}
+                for j in ("1", k)} for n, r in results.items()}
 
 
 def flat_summary(s):

@@ -476,30 +476,42 @@ def test_compile_runs_the_training_forward_compiled_with_the_same_loss_and_gradi
     assert out[True][2] == out[False][2]
 
 
-def test_the_shipped_base_is_run_cpu_sh_base_stage_output():
+def lane_data(lane):
+    """run_cpu.sh's --data: the default's (3 numbers) or NUMBERS=3to4's (the balanced 3/4 mix)."""
+    import re
+    import shlex
+    script = open(os.path.join(ROOT, "run_cpu.sh")).read()
+    line = r'^DATA="(.*)"' if lane == "" else r'^if \[\[ -n \$LANE \]\]; then DATA="(.*?)"'
+    return shlex.split(re.search(line, script, re.M).group(1))[0]
+
+
+@pytest.mark.parametrize("lane", ["", "-3to4"])
+def test_the_shipped_base_is_run_cpu_sh_base_stage_output(lane):
     """pretrained/tiny-base is what `run_cpu.sh --rebuild-base` trains: its args.json holds stage 0's
     flags as the script writes them today, on the model and tokenizer `--init tiny` builds. So copying
-    it (the default, like downloading a pretrained model) changes the time, not the recipe."""
+    it (the default, like downloading a pretrained model) changes the time, not the recipe. Likewise
+    the 3to4 lane's (NUMBERS=3to4) pretrained/tiny-base-3to4, on the lane's data."""
     import re
-    base = os.path.join(ROOT, "pretrained", "tiny-base")
+    base = os.path.join(ROOT, "pretrained", "tiny-base" + lane)
     args = json.load(open(os.path.join(base, "args.json")))
     script = open(os.path.join(ROOT, "run_cpu.sh")).read()
     command = script[script.index("stage base python sft.py"):].split("elif")[0]
     flags = dict(re.findall(r"--(\w+) ([\w.-]+)", command))
-    assert args["init"] == "tiny" and args["data"].startswith("arith:") and len(flags) >= 7
+    assert args["init"] == "tiny" and args["data"] == "arith:" + lane_data(lane)[4:] and len(flags) >= 7
     assert all(float(args[k]) == float(v) for k, v in flags.items() if k not in ("init", "output_dir")), flags
     model, tok = M.load_model(base)
     assert tok.get_vocab() == M.build_tiny_tokenizer().get_vocab()
     assert all(getattr(model.config, k) == v for k, v in M.TINY.items())
 
 
-def test_the_shipped_teacher_is_run_cpu_sh_teacher_command_output():
+@pytest.mark.parametrize("lane", ["", "-3to4"])
+def test_the_shipped_teacher_is_run_cpu_sh_teacher_command_output(lane):
     """pretrained/tiny-teacher is what `run_cpu.sh --rebuild-teacher` trains: its args.json holds the
     teacher command's flags and the SFT=(...) array's as the script writes them today (the
-    teacher's own win), trained from the shipped base, with the base's tokenizer."""
+    teacher's own win), trained from the shipped base, with the base's tokenizer; likewise the 3to4
+    lane's pretrained/tiny-teacher-3to4, on the lane's data."""
     import re
-    import shlex
-    teacher = os.path.join(ROOT, "pretrained", "tiny-teacher")
+    teacher = os.path.join(ROOT, "pretrained", "tiny-teacher" + lane)
     args = json.load(open(os.path.join(teacher, "args.json")))
     script = open(os.path.join(ROOT, "run_cpu.sh")).read()
     values = lambda text: dict(re.findall(r"--(\w+) (?!-)([\w.:,-]+)", text))  # noqa: E731
@@ -512,6 +524,6 @@ def test_the_shipped_teacher_is_run_cpu_sh_teacher_command_output():
         if k in ("init", "output_dir", "data", "eval_data"):
             continue
         assert str(args[k]) == v or float(args[k]) == float(v), (k, args[k], v)
-    assert args["data"] == shlex.split(re.search(r'^DATA="(.*)"', script, re.M).group(1))[0]
+    assert args["data"] == lane_data(lane) and args["eval_max_new_tokens"] == (256 if lane else 160)
     _, tok = M.load_model(teacher)
     assert tok.get_vocab() == M.build_tiny_tokenizer().get_vocab()

@@ -50,6 +50,15 @@ def test_summarize_splits_and_best_of_n():
     assert s["pass_at_k"]["1"] == pytest.approx(0.125) and s["pass_at_k"]["4"] == 0.5
     assert s["by_size"]["3"]["pass_at_k"]["4"] == 1.0 and s["by_size"]["4"]["num_problems"] == 1
     assert s["format_rate"] == 7 / 8
+    # by operand count too (paper 002's strata): the answers and the mistakes of each count's samples alone
+    assert s["by_size"]["3"]["format_rate"] == 3 / 4 and s["by_size"]["4"]["format_rate"] == 1.0
+    mixed = E.summarize([{"nums": [1, 2, 3], "target": 6, "completions": ["<answer>1+2*3</answer>", "<answer>1+2+3</answer>"],
+                          "scores": [0.1, 1.0]},  # an answer off the target: a give-up's
+                         {"nums": [1, 2, 3, 4], "target": 24, "completions": ["<answer>4*3*2</answer>", "<answer>1*2*3*4</answer>"],
+                          "scores": [0.1, 1.0]}])  # the 1 left out
+    assert mixed["by_size"]["3"]["mistakes"] == {"slip": 0.0, "reuse": 0.0, "giveup": 0.5, "malformed": 0.0}
+    assert mixed["by_size"]["4"]["mistakes"] == {"slip": 0.0, "reuse": 0.5, "giveup": 0.0, "malformed": 0.0}
+    assert mixed["mistakes"]["reuse"] == mixed["mistakes"]["giveup"] == 0.25
     # per-problem 0.25 and 0: sd 0.177, / sqrt(2)
     assert s["pass_at_1_stderr"] == pytest.approx(0.125)
     assert s["best_of_n"] == {"accuracy": 0.5, "avg_samples": pytest.approx((E.expected_samples(4, 1, 4) + 4) / 2)}
@@ -135,6 +144,11 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     assert list(res) == ["sft", "rloo", "rlt_student", "zzz_extra"]
     assert res["sft"]["wall_seconds"] == 12 and res["rloo"]["wall_seconds"] is None
     assert res["rloo"]["pass_at_k"]["1"] == pytest.approx(0.2)
+    # a mixed test set: each stage's pass@1 and pass@k over all and each count (NUMBERS=3to4's results)
+    counts = json.load(open(tmp_path / "results_by_size.json"))
+    assert list(counts) == list(res) and counts["rloo"] == {"pass@1": {"all": pytest.approx(0.2), "3": pytest.approx(0.2), "4": 0.0},
+                                                            "pass@2": {"all": pytest.approx(0.4), "3": pytest.approx(0.2), "4": 0.0}}
+    assert "By operand count" in r.stdout
     table1 = r.stdout.split("Table 2")[0]
     assert table1.index("sft") < table1.index("rloo") < table1.index("rlt_student") < table1.index("zzz_extra")
     assert "3 nums@1" in table1 and "avg n" in r.stdout and "0.125  0.250" in table1

@@ -1,8 +1,11 @@
 """run_cpu.sh's first run on a student's machine (issue 44): the cores shared among the stages side
 by side (plumbing/pipeline.py), the console kept moving, a failure reported when it happens, and --compile
 skipped with one line where it does not pay or cannot build."""
+import importlib
+import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +19,7 @@ from plumbing import machine
 from plumbing.models import load_model
 from plumbing import pipeline
 from conftest import GEN, ROOT
+import evaluate
 import sft
 
 UNITS = ["sft", "teacher", "grpo:sft", "opd:sft,teacher", "rloo:sft", "ipo:sft"]  # run_cpu.sh's
@@ -339,3 +343,58 @@ def test_the_rl_stages_share_each_prompts_forward_on_either_precision(tmp_path, 
     assert [x[0] for x in trained] == ["rloo.py", "grpo.py", "opd.py"]
     assert all(x[x.index("--micro_batch") + 1] == "128" and x[x.index("--forward_rows") + 1] == "32"
                for x in trained)
+
+
+LANE_SHRINK = {"--max_steps": "2", "--batch_size": "8", "--micro_batch": "8", "--micro_batch_tokens": "512",
+               "--forward_rows": "4", "--eval_problems": "2", "--eval_samples": "2", "--eval_max_new_tokens": "8",
+               "--max_response_len": "16", "--num_prompts": "8", "--epochs": "1", "--num_problems": "4",
+               "--num_samples": "2", "--max_new_tokens": "16", "--eval_every": "2", "--save_every": "2",
+               "--data": "gen:nums=3-4,range=1-9,test=8,val=4", "--eval_data": "gen:nums=3-4,range=1-9,test=8,val=4"}
+
+
+def test_the_3to4_lane_runs_every_stage_of_table_1_for_two_steps(tmp_path, monkeypatch):
+    """NUMBERS=3to4 ./run_cpu.sh (issue 77): every stage of paper 000's Table 1 on the balanced 3/4-number
+    mix, from the lane's own shipped base and teacher, with 400 test problems and 256-token responses
+    into its own folder. Each command as the script writes it, then run for real for 2 steps on tiny
+    sizes and the small 1-9 mix (LANE_SHRINK: its training split is drawn in ~1 s, the lane's 1-20 one in
+    ~50), evaluated on 4 test problems: both counts in every evaluation."""
+    fake, calls = tmp_path / "python", tmp_path / "calls"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable, "CALLS": str(calls), "RLT": "",
+           "RLT_CONTROL": "", "FORCE": "", "NUMBERS": "3to4"}
+    out = tmp_path / "out" / "cpu_3to4"  # the lane's own folder, as the script's default names it
+    commands = []
+    for unit in ("sft", "teacher", "rloo", "grpo", "opd", "ipo"):
+        calls.write_text("")
+        r = subprocess.run(["bash", "run_cpu.sh", "--unit", unit, str(out)], cwd=ROOT, capture_output=True,
+                           text=True, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        commands += [x.split() for x in calls.read_text().splitlines()]
+    assert [c[0] for c in commands] == ["sft.py", "evaluate.py", "evaluate.py", "rloo.py", "evaluate.py", "grpo.py",
+                                        "evaluate.py", "opd.py", "evaluate.py", "ipo.py", "evaluate.py"]
+    data = "gen:nums=3-4,range=1-20,test=400,val=200"
+    for c in commands:
+        assert c[c.index("--data") + 1] == data and "160" not in c, c
+        budget = "--max_new_tokens" if c[0] in ("evaluate.py", "ipo.py") else "--max_response_len"
+        assert c[0] == "sft.py" or c[c.index(budget) + 1] == "256", c
+        assert c[0] != "evaluate.py" or c[c.index("--num_problems") + 1] == "400", c
+    script = open(os.path.join(ROOT, "run_cpu.sh")).read()
+    assert 'OUT=${1:-out/cpu${LANE:+_$LANE}}' in script and "pretrained/tiny-base${LANE:+-$LANE}" in script
+    # the stages for real, in this process (a new python each cost the suite ~5 s), from the lane's shipped
+    # base as `base` copies it (the teacher unit copied its teacher). IPO's pairs need right and wrong samples,
+    # which 2 SFT steps and 16 tokens never give: IPO starts from the teacher with room to answer
+    assert (out / "teacher" / "model.safetensors").exists()
+    shutil.copytree(os.path.join(ROOT, "pretrained", "tiny-base-3to4"), out / "base")
+    for c in commands:
+        argv = [LANE_SHRINK.get(c[i - 1], x) for i, x in enumerate(c) if i]
+        if c[0] == "ipo.py":
+            argv += ["--init", str(out / "teacher"), "--max_new_tokens", "160"]
+        if c[0] == "evaluate.py":
+            monkeypatch.setattr(sys, "argv", c[:1] + argv)
+            evaluate.main()
+        else:
+            importlib.import_module(c[0][:-3]).main(argv)
+    for stage in ("sft", "teacher", "rloo", "grpo", "opd", "ipo"):
+        summary = json.load(open(out / "eval" / stage / "summary.json"))
+        assert set(summary["by_size"]) == {"3", "4"} and summary["num_problems"] == 4
