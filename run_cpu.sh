@@ -77,8 +77,11 @@ DATA="gen:nums=3,range=1-20,test=200,val=100"
 TEST=200 LEN=160  # test problems, response budget (new tokens) in training and evaluation
 # NUMBERS=3to4: the papers' distribution, 3 and 4 numbers half and half in every split (generate_splits' balanced
 # mix, paper 001), 200 test problems of each; 4-number traces run longer (median 79 tokens, 14 % over 160, 3 % over
-# 256), so 256 (docs/studies/four_numbers.md)
-if [[ -n $LANE ]]; then DATA="gen:nums=3-4,range=1-20,test=400,val=200" TEST=400 LEN=256; fi
+# 256), so 256 (docs/studies/four_numbers.md). Its RL steps cost ~2x the default's (longer rollouts), so 50
+# RL steps, not 75, to end in an hour on 2 AVX2 cores: the lr is constant after warmup, and the lane's val
+# pass@1 at step 50 of 75 was RLOO 0.295, GRPO 0.293 from SFT's 0.160 (docs/studies/four_numbers.md)
+RL_STEPS=75
+if [[ -n $LANE ]]; then DATA="gen:nums=3-4,range=1-20,test=400,val=200" TEST=400 LEN=256 RL_STEPS=50; fi
 COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 100 --eval_samples 4 --eval_max_new_tokens $LEN)
 # Only solving pays: a wrong answer and a search cut short both earn 0 (--wrong_reward 0 --no_answer_reward 0), not
 # paper 000's 0.1 (which paid the policy to claim "found" falsely) nor -0.5 for a wrong answer (which made a search
@@ -92,7 +95,7 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # as the three RL stages share two cores here: 16 ran fastest alone, 32 side by side (docs/studies/performance.md,
 # "The shared forward inside autograd"). No --term_grads: each loss term's own gradient
 # (grad/<term>, docs/studies/loss_terms.md) cost a backward per term on 5 steps of each stage, ~12 s each here
-RL=(--lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows 32 --max_response_len $LEN --max_steps 75
+RL=(--lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows 32 --max_response_len $LEN --max_steps $RL_STEPS
     --eval_every 25 --save_every 25 --wrong_reward 0 --no_answer_reward 0)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
 # drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/studies/loss_terms.md)

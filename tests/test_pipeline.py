@@ -379,6 +379,7 @@ def test_the_3to4_lane_runs_every_stage_of_table_1_for_two_steps(tmp_path, monke
         budget = "--max_new_tokens" if c[0] in ("evaluate.py", "ipo.py") else "--max_response_len"
         assert c[0] == "sft.py" or c[c.index(budget) + 1] == "256", c
         assert c[0] != "evaluate.py" or c[c.index("--num_problems") + 1] == "400", c
+        assert c[0] not in ("rloo.py", "grpo.py", "opd.py") or c[c.index("--max_steps") + 1] == "50", c
     script = open(os.path.join(ROOT, "run_cpu.sh")).read()
     assert 'OUT=${1:-out/cpu${LANE:+_$LANE}}' in script and "pretrained/tiny-base${LANE:+-$LANE}" in script
     # the stages for real, in this process (a new python each cost the suite ~5 s), from the lane's shipped
