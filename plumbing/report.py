@@ -9,7 +9,9 @@
 """
 import json
 import os
+import platform
 import shutil
+import subprocess
 from math import nan
 
 from plumbing.flags import CountdownError
@@ -73,7 +75,10 @@ def fresh_runs(docs=os.path.join(ROOT, "docs")):
 
 
 def publish(out, docs=os.path.join(ROOT, "docs"), readme=os.path.join(ROOT, "README.md")):
-    """Copy a run's results.json and PNGs to docs/ and put its Table 1 between README's markers."""
+    """Copy a run's results.json and PNGs to docs/ and put its Table 1 between README's markers; a
+    run on the 3/4 mix (NUMBERS=3to4, its results_by_size.json) writes docs/studies/results_3to4.json."""
+    if os.path.isfile(os.path.join(out, "results_by_size.json")):
+        return publish_lane(out, os.path.join(docs, "studies", "results_3to4.json"))
     for f in ["results.json", "pass_at_k.png", "rl_curves.png"]:
         shutil.copyfile(os.path.join(out, f), os.path.join(docs, f))
     text = open(readme).read()
@@ -83,6 +88,25 @@ def publish(out, docs=os.path.join(ROOT, "docs"), readme=os.path.join(ROOT, "REA
     table = readme_table(json.load(open(os.path.join(docs, "results.json"))), fresh_runs(docs))
     open(readme, "w").write(f"{head}{TABLE_START}\n{table}\n{TABLE_END}{rest.split(TABLE_END)[1]}")
     print(f"wrote {docs}/results.json, {docs}/pass_at_k.png, {docs}/rl_curves.png, Table 1 of {readme}")
+
+
+def publish_lane(out, path):
+    """The 3/4 lane's results: per stage pass@1 and pass@16 over all, 3 and 4 numbers, the problems of
+    each, the stage's wall seconds, and where they were measured (commit, CPU, training path)."""
+    results, counts = (json.load(open(os.path.join(out, f))) for f in ("results.json", "results_by_size.json"))
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.isfile("/proc/cpuinfo") else platform.processor()
+    env = os.path.join(out, "path.env")
+    lane = {"about": f"NUMBERS=3to4 ./run_cpu.sh into {out}: commit {commit.stdout.strip() or 'unknown'}, {cpu}, "
+                     f"{os.cpu_count()} cores; " + (open(env).readline().lstrip("# ").strip()
+                                                    if os.path.isfile(env) else "training path not recorded")}
+    for n, r in results.items():
+        lane[n] = {**{k: {c: round(x, 4) for c, x in d.items()} for k, d in counts[n].items()},
+                   "problems": {"all": r["num_problems"], **{c: p["num_problems"] for c, p in r["by_size"].items()}},
+                   "wall_seconds": r["wall_seconds"]}
+    json.dump(lane, open(path, "w"), indent=1)
+    print(f"wrote {path}")
 
 
 def _num(x):

@@ -1,6 +1,7 @@
 """Paper 001's curriculum, paper 002's filter and exploration knobs: tiers, promotion, the probe,
 the data order over a pool, bottom-p, per-problem temperature; and 2-step runs with each on."""
 import json
+import os
 import random
 import subprocess
 import sys
@@ -48,6 +49,34 @@ def test_tiers_on_a_generated_three_and_four_number_pool_unlock_in_order():
     assert max(tasks[i]["target"] for i in added[0]) <= min(tasks[i]["target"] for i in added[1])
     assert {len(tasks[i]["nums"]) for i in added[2] + added[3]} == {4}
     assert max(tasks[i]["target"] for i in added[2]) <= min(tasks[i]["target"] for i in added[3])
+
+
+def test_the_four_numbers_study_changes_one_thing_per_variant(tmp_path):
+    """benchmarks/four_numbers.py (paper 001's questions on the 3to4 lane): each variant's rloo.py
+    command parses back to the lane's own flags with only its change (and its folder, init, seed),
+    its evaluations take all of the val and test split, and `three`'s file holds the training split's
+    3-number problems only. Broken on purpose (the override dropped), it failed."""
+    import dataclasses
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import four_numbers as F
+    from plumbing.flags import parse_args
+    mix = "gen:nums=3-4,range=1-9,test=8,val=4"
+    lane = dataclasses.asdict(parse_args(rloo.Args, ["--data", mix, "--eval_data", mix, "--max_steps", "50",
+                                                     "--template", "compact", "--lr", "6.7e-5", "--seed", "0"]))
+    for name, change in F.VARIANTS.items():
+        for seed in F.SEEDS:
+            out, train, evals = F.commands("LANE", str(tmp_path), lane, f"{name}_s{seed}", name, seed)
+            got = dataclasses.asdict(parse_args(rloo.Args, train[2:]))
+            moved = {k for k in got if got[k] != lane[k]}
+            want = {k: os.path.join(str(tmp_path), v) if k == "data" else v for k, v in change.items()}
+            assert moved == {"output_dir", "init", "overwrite"} | ({"seed"} if seed else set()) | {
+                k for k, v in want.items() if v != lane[k]} and all(got[k] == v for k, v in want.items()), name
+            assert got["init"] == "LANE/sft" and got["output_dir"] == out and got["seed"] == seed
+            assert [(e[e.index("--split") + 1], e[e.index("--num_problems") + 1]) for e in evals] == [("val", "4"),
+                                                                                                   ("test", "8")]
+    F.write_jsonl(str(tmp_path / "train_3.jsonl"), [t for t in F.load_tasks(mix, "train") if len(t["nums"]) == 3])
+    three = F.load_tasks(str(tmp_path / "train_3.jsonl"), "train")
+    assert three and {len(t["nums"]) for t in three} == {3}
 
 
 def test_curriculum_unlocks_on_the_full_window_mean_and_clears_it():

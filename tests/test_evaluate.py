@@ -149,6 +149,16 @@ def test_report_gathers_stages_in_pipeline_order_and_draws(tmp_path):
     assert list(counts) == list(res) and counts["rloo"] == {"pass@1": {"all": pytest.approx(0.2), "3": pytest.approx(0.2), "4": 0.0},
                                                             "pass@2": {"all": pytest.approx(0.4), "3": pytest.approx(0.2), "4": 0.0}}
     assert "By operand count" in r.stdout
+    # --publish on a mixed run: docs/studies/results_3to4.json, never the default's results.json or Table 1
+    from plumbing.report import publish
+    (tmp_path / "docs" / "studies").mkdir(parents=True)
+    (tmp_path / "README.md").write_text("no markers: the default's Table 1 is not touched")
+    publish(str(tmp_path), docs=str(tmp_path / "docs"), readme=str(tmp_path / "README.md"))
+    lane = json.load(open(tmp_path / "docs" / "studies" / "results_3to4.json"))
+    assert not (tmp_path / "docs" / "results.json").exists() and "NUMBERS=3to4" in lane["about"]
+    assert lane["rloo"]["pass@2"] == {"all": 0.4, "3": 0.2, "4": 0.0} and lane["sft"]["wall_seconds"] == 12
+    assert lane["rloo"]["problems"] == {"all": res["rloo"]["num_problems"],
+                                        **{c: p["num_problems"] for c, p in res["rloo"]["by_size"].items()}}
     table1 = r.stdout.split("Table 2")[0]
     assert table1.index("sft") < table1.index("rloo") < table1.index("rlt_student") < table1.index("zzz_extra")
     assert "3 nums@1" in table1 and "avg n" in r.stdout and "0.125  0.250" in table1
