@@ -11,7 +11,8 @@ each at seeds 0 and 1, two runs side by side on a thread each. Then each run's v
 run or evaluation is skipped, so a killed study goes on where it stopped.
 
   python benchmarks/four_numbers.py [LANE]           # default out/cpu_3to4; writes LANE/study/
-  python benchmarks/four_numbers.py LANE --table     # the table of what has finished
+  python benchmarks/four_numbers.py LANE --table     # the table of what has finished, and each variant
+                                                     # against none, paired by problem
 """
 import dataclasses
 import json
@@ -98,11 +99,39 @@ def table(study):
                   f"{cols[0]} | {cols[1]} | {mistakes} |")
 
 
+def solved(study, split, name):
+    """{(nums, target): the problem's share of right samples over the variant's seeds}, or None."""
+    paths = [os.path.join(study, "eval", split, f"{name}_s{seed}", "samples.jsonl") for seed in SEEDS]
+    if not all(os.path.isfile(p) for p in paths):
+        return None
+    rows = [r for p in paths for r in read_jsonl(p)]
+    out = {}
+    for r in rows:
+        out.setdefault((tuple(r["nums"]), r["target"]), []).extend(s == 1.0 for s in r["scores"])
+    return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+def decision(study):
+    """Each variant against `none`, paired by problem (seeds pooled): the pass@1 difference and its
+    95 % interval over the problems, on val (where a setting is chosen) and test (the table)."""
+    for split in ("val", "test"):
+        base = solved(study, split, "none")
+        for name in [v for v in VARIANTS if v != "none"]:
+            other = solved(study, split, name)
+            if base is None or other is None:
+                continue
+            d = [other[k] - base[k] for k in base]
+            mean = sum(d) / len(d)
+            se = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+            print(f"{split}: {name} - none, pass@1 over {len(d)} problems and {len(SEEDS)} seeds: "
+                  f"{mean:+.3f} ± {1.96 * se:.3f} (95 %)")
+
+
 def main():
     lane = next((a for a in sys.argv[1:] if not a.startswith("--")), "out/cpu_3to4")
     study = os.path.join(lane, "study")
     if "--table" in sys.argv:
-        return table(study)
+        return table(study), decision(study)
     args = json.load(open(os.path.join(lane, "rloo", "args.json")))
     os.makedirs(os.path.join(study, "logs"), exist_ok=True)
     three = os.path.join(study, "train_3.jsonl")  # the training split's 3-number problems, in its order
@@ -116,7 +145,7 @@ def main():
             if p is not None and p.wait():
                 sys.exit(f"error: {tag} failed, see {study}/logs/{tag}.log")
         print(f"-- {', '.join(t for t, _ in procs)} done, {time.time() - start:.0f} s", flush=True)
-    table(study)
+    table(study), decision(study)
 
 
 if __name__ == "__main__":

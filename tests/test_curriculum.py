@@ -51,7 +51,7 @@ def test_tiers_on_a_generated_three_and_four_number_pool_unlock_in_order():
     assert max(tasks[i]["target"] for i in added[2]) <= min(tasks[i]["target"] for i in added[3])
 
 
-def test_the_four_numbers_study_changes_one_thing_per_variant(tmp_path):
+def test_the_four_numbers_study_changes_one_thing_per_variant(tmp_path, capsys):
     """benchmarks/four_numbers.py (paper 001's questions on the 3to4 lane): each variant's rloo.py
     command parses back to the lane's own flags with only its change (and its folder, init, seed),
     its evaluations take all of the val and test split, and `three`'s file holds the training split's
@@ -77,6 +77,18 @@ def test_the_four_numbers_study_changes_one_thing_per_variant(tmp_path):
     F.write_jsonl(str(tmp_path / "train_3.jsonl"), [t for t in F.load_tasks(mix, "train") if len(t["nums"]) == 3])
     three = F.load_tasks(str(tmp_path / "train_3.jsonl"), "train")
     assert three and {len(t["nums"]) for t in three} == {3}
+    # the decision: tiers against none, paired by problem over both seeds, by hand
+    right = {"none": [[1, 0, 0, 0], [0, 0, 0, 0]], "tiers": [[1, 1, 0, 0], [1, 1, 1, 1]]}  # problem 0, problem 1
+    for name, rates in right.items():
+        for seed in F.SEEDS:
+            d = tmp_path / "eval" / "test" / f"{name}_s{seed}"
+            d.mkdir(parents=True)
+            F.write_jsonl(str(d / "samples.jsonl"), [{"nums": [p, 2, 3], "target": 9, "scores": [float(x) for x in r]}
+                                                     for p, r in enumerate(rates)])
+    F.decision(str(tmp_path))
+    # per problem, seeds pooled: 0.25 -> 0.5 and 0 -> 1, a mean of +0.625 and its spread over the 2 problems
+    assert capsys.readouterr().out.splitlines() == ["test: tiers - none, pass@1 over 2 problems and 2 seeds: "
+                                                    "+0.625 ± 0.735 (95 %)"]
 
 
 def test_curriculum_unlocks_on_the_full_window_mean_and_clears_it():
