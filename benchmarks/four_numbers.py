@@ -95,7 +95,7 @@ def table(study):
                                [test["by_size"][c]["pass_at_k"] for c in "34"]) for k in ("1", "16")]
             level = last(os.path.join(study, tag, "metrics.jsonl"), "train/curriculum_level")
             mistakes = ", ".join(f"{k} {v:.2f}" for k, v in test["by_size"]["4"]["mistakes"].items())
-            print(f"| {name} | {seed} | {'-' if level is None else level} | {val['pass_at_k']['1']:.3f} | "
+            print(f"| {name} | {seed} | {'-' if level is None else int(level)} | {val['pass_at_k']['1']:.3f} | "
                   f"{cols[0]} | {cols[1]} | {mistakes} |")
 
 
