@@ -8,7 +8,7 @@ thing changed per variant:
   three    RL on the training split's 3-number problems only (a file of them), tested on the mix
 each at seeds 0 and 1, two runs side by side on a thread each. Then each run's val evaluation (all
 200 val problems x 16: choosing) and test evaluation (400 x 16, both counts: the table). A finished
-run or evaluation is skipped, so a killed study goes on where it stopped.
+run or evaluation is skipped, so a killed study goes on from its unfinished runs (each from its start).
 
   python benchmarks/four_numbers.py [LANE]           # default out/cpu_3to4; writes LANE/study/
   python benchmarks/four_numbers.py LANE --table     # the table of what has finished, and each variant
@@ -17,6 +17,7 @@ run or evaluation is skipped, so a killed study goes on where it stopped.
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -63,7 +64,7 @@ def work(lane, study, args, tag, name, seed):
     out, train, evals = commands(lane, study, args, tag, name, seed)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     steps = [(train, os.path.join(out, "wall_seconds"))] + [(e, os.path.join(e[-1], "summary.json")) for e in evals]
-    cmd = " && ".join(" ".join(c) + (f" && echo $((SECONDS - s)) > {done}" if c is train else "")
+    cmd = " && ".join(shlex.join(c) + (f" && echo $((SECONDS - s)) > {shlex.quote(done)}" if c is train else "")
                       for c, done in steps if not os.path.isfile(done))
     if not cmd:
         return None

@@ -174,7 +174,7 @@ def test_benchmarks_hold_only_what_is_used():
     # before step_profile.py (76 lines: where a GRPO step's time goes, docs/studies/performance.md)
     # 2,700 with the course's grading command (grade.py: the instructor's side of a class, ~650 lines); 2,760
     # with arith_probe.py (64 lines: a base model's arithmetic on 3- and 4-number paths, why the 3to4 lane has its own)
-    # 2,910 with four_numbers.py (152 lines: paper 001's questions on the 3to4 lane: 6 RLOO runs, two at a time, resumable,
+    # 2,910 with four_numbers.py (153 lines: paper 001's questions on the 3to4 lane: 6 RLOO runs, two at a time, resumable,
     # each variant against the control paired by problem)
     assert total <= 2910, f"benchmarks/ has {total} lines (budget 2,910)"
     used = "".join(open(os.path.join(ROOT, p)).read() for p in ["README.md", "run_cpu.sh"] + [
