@@ -342,7 +342,7 @@ def test_the_rl_stages_share_each_prompts_forward_on_either_precision(tmp_path, 
     trained = [x.split() for x in calls.read_text().splitlines() if x.split()[0] != "evaluate.py"]
     assert [x[0] for x in trained] == ["rloo.py", "grpo.py", "opd.py"]
     assert all(x[x.index("--micro_batch") + 1] == "128" and x[x.index("--forward_rows") + 1] == "32"
-               for x in trained)
+               and x[x.index("--max_steps") + 1] == "75" for x in trained)  # the default's 75 (the 3to4 lane: 50)
 
 
 LANE_SHRINK = {"--max_steps": "2", "--batch_size": "8", "--micro_batch": "8", "--micro_batch_tokens": "512",
