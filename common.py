@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from plumbing import fast_decode
 from plumbing.checkpoints import plain_weights
+from plumbing.distributed import Draws, gathered, world, wrap, wrapper
 from plumbing.flags import CountdownError
 from plumbing.models import trains_in_bf16
 from plumbing.tasks import solve_rates
@@ -71,7 +72,7 @@ def _sample(logits, gen):
     torch.multinomial draws one exponential per vocabulary entry (measured: 8% of all sampling
     time). (N, V) -> (N,)"""
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
-    u = torch.rand(len(cdf), 1, generator=gen, device=cdf.device) * cdf[:, -1:]  # (N, 1)
+    u = _uniform(gen, len(cdf), cdf.device)[:, None] * cdf[:, -1:]  # (N, 1)
     return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[-1] - 1)  # first cdf ≥ u
 
 
@@ -141,7 +142,8 @@ class HFSampler:
         002's bottom-p on a token with probability bottom_p_freq; progress(rows) after a batch."""
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
-        gen = torch.Generator(device=self.model.device).manual_seed(seed)
+        # one generator for the call; under torchrun a key per prompt (distributed.Draws)
+        draws = Draws.for_rows([p for p in prompts for _ in range(n)], seed, self.model.device)
         was_training = self.model.training
         self.model.eval()
         out_ids, out_lp, finished = [], [], []
@@ -159,7 +161,8 @@ class HFSampler:
             for s in range(0, len(rows), size):
                 for acc, new in zip((out_ids, out_lp, finished),
                                     batch(rows[s:s + size], temperature, top_p, top_k,
-                                          max_new_tokens, gen, bottom_p, bottom_p_freq)):
+                                          max_new_tokens, draws.rows(s, s + size), bottom_p,
+                                          bottom_p_freq)):
                     acc += new
                 if progress:
                     progress(len(rows[s:s + size]))
@@ -204,6 +207,7 @@ class HFSampler:
                 keep = active.nonzero()[:, 0]
                 out[cache].batch_select_indices(keep)
                 live, tok, active, attn, pos = (x[keep] for x in (live, tok, active, attn, pos))
+                gen.keep(keep)
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (live, P + t + 1)
             pos = pos[:, -1:] + 1
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
@@ -230,8 +234,15 @@ def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
     # which rows cut their head this token (drawn only if bottom-p is on)
     explore = None
     if bottom_p < 1.0:
-        explore = torch.rand(len(logits), generator=gen, device=logits.device) < bottom_p_freq
+        explore = _uniform(gen, len(logits), logits.device) < bottom_p_freq
     return _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
+
+
+def _uniform(gen, n, device):
+    """(n,) uniforms from a torch generator or a Draws (one per row the batch holds)."""
+    if isinstance(gen, torch.Generator):
+        return torch.rand(n, generator=gen, device=device)
+    return gen.uniform(n, device)
 
 
 def _decode_precision(dev):
@@ -648,7 +659,17 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
             for k, name in enumerate(("logp", "entropy", "kl", "correct"))}
 
 
-def decoder_states(model, input_ids, attention_mask, prompts=None):
+def data_parallel(model, fsdp=False, batch_size=None):
+    """Under torchrun, DDP (FSDP2's fully_shard with `fsdp`) around decoder_states, the forward
+    every loss runs: each backward() then averages the gradient over the ranks. N, the number of
+    ranks (1: a plain run, the model untouched); batch_size must split evenly over them."""
+    if batch_size is not None and batch_size % world():
+        raise CountdownError(f"--batch_size {batch_size} does not split over {world()} ranks")
+    wrap(model, decoder_states, fsdp)
+    return world()
+
+
+def decoder_states(model, input_ids, attention_mask, prompts=None, wrapped=True):
     """The decoder's last hidden states (B, T, D) of input_ids (B, T). With `prompts`
     (micro_batches' shared layout), each row continues prompt prompts.group[row]: its last token,
     then the rollout. The decoder runs each prompt once, through the model's own forward, and its
@@ -656,7 +677,11 @@ def decoder_states(model, input_ids, attention_mask, prompts=None):
     inside autograd, so the loss's one backward carries every row's share through its prompt's
     forward. The rows, sorted by length, run in forwards of prompts.spans, each padded to its own
     longest: a group's rollouts differ in length (here 40-160 tokens), and one forward of them all
-    would pad each to the longest. Across a group the prompt is a quarter of a row (~34 of ~150)."""
+    would pad each to the longest. Across a group the prompt is a quarter of a row (~34 of ~150).
+    Under torchrun it runs inside DDP or FSDP (plumbing/distributed.py), whose backward averages the
+    gradient over the ranks."""
+    if wrapped and wrapper(model) is not None:
+        return wrapper(model)(input_ids, attention_mask, prompts, False)
     decoder = model.get_decoder()
     if prompts is None:
         return decoder(input_ids=input_ids, attention_mask=causal_only(attention_mask)
@@ -747,7 +772,9 @@ def mix_reference(ref, model, mix, step=0, every=1):
 def rollout_metrics(samples, scores, reward, adv, tasks):
     """Paper 001's flatline diagnostics of an RL batch, its strategies and its mistakes. scores
     (B*G,): verifier scores 0/0.1/1; reward (B, G): what the advantage saw; adv (B*G,); tasks:
-    the B prompts' problems. A group whose rewards are all equal has A = 0."""
+    the B prompts' problems. A group whose rewards are all equal has A = 0. Under torchrun, of
+    every rank's rollouts (gathered)."""
+    samples, scores, reward, adv, tasks = gathered(samples, scores, reward, adv, tasks)
     n, group_std = len(samples.completion_ids), reward.std(1)  # (B,) within-group spread
     return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),
             "train/format": (scores > 0).float().mean(), "train/reward_std": group_std.mean(),

@@ -27,8 +27,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, k3_kl, make_curriculum, make_sampler, micro_batches,
-                    probe, rollout_metrics, rollouts, score_rollouts, token_stats)
+from common import (autocast, behavior_logp, data_parallel, k3_kl, make_curriculum, make_sampler,
+                    micro_batches, probe, rollout_metrics, rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
 from plumbing.harness import Run, load_policy, prepare_run, step_seed, warmup_lr
@@ -131,6 +131,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
@@ -149,7 +150,7 @@ def main(argv=None):
                                  run.extra.get("curriculum"))
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
-    B, G = args.batch_size, args.group_size
+    B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the snapshot μ ----
@@ -176,7 +177,7 @@ def main(argv=None):
             # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
             stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # −(1/G) Σ_i, mean over prompts
-            loss.backward()  # the whole gradient of these rollouts, their prompts' forward included
+            loss.backward()  # these rollouts' gradient, prompts included; torchrun: DDP's mean over ranks
             stats.add("loss", loss.item())
             stats.row_mean("is_weight", info["is_weight"])  # clipped, and as 000 watches it
             stats.row_mean("is_weight_raw", info["is_weight_raw"])
@@ -190,8 +191,8 @@ def main(argv=None):
             opt.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch),
-                   **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
+        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch)}
+        metrics.update(curriculum.update(metrics["train/accuracy"]))  # 001 Alg. 1, every rank's
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())

@@ -24,10 +24,10 @@ import torch
 from transformers import (get_cosine_schedule_with_warmup,
                           get_cosine_with_min_lr_schedule_with_warmup)
 
-from common import autocast, spans, token_stats, tokenize_pairs
+from common import autocast, data_parallel, spans, token_stats, tokenize_pairs
 from evaluate import eval_metrics
 from plumbing.flags import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
-from plumbing.harness import Run, StepStats, load_policy, prepare_run
+from plumbing.harness import Run, load_policy, prepare_run
 from plumbing.tasks import (LLM_MISTAKES, common_queries, load_tasks, only_problems, parse_mixes,
                             sft_data, teacher_sft_data)
 
@@ -138,6 +138,7 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options(), compile=args.compile,
                                      hidden_size=args.tiny_hidden,
                                      num_hidden_layers=args.tiny_layers)
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
     if args.data.startswith("rlt"):  # 004 §A.1: RLT's teacher format, the solution in the prompt
         data = partial(teacher_sft_data, args.data, template=args.template,
                        eval_problems=args.eval_problems, seed=args.seed, dead_ends=args.dead_ends,
@@ -177,30 +178,28 @@ def main(argv=None):
           "parameters")
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         # ---- batch: a fresh shuffle (and, for generated data, fresh traces) every epoch ----
-        idx, new_epoch = run.next_indices(range(len(prompts)), args.batch_size)
+        idx, new_epoch = run.next_indices(range(len(prompts)), args.batch_size // world)  # rank's
         if new_epoch:
             responses = write_responses(run.rng)
         micro = list(batches([prompts[i] for i in idx], [responses[i] for i in idx]))
         # ---- forward / backward per micro-batch; Eq. 1's token mean over the whole step ----
-        stats = StepStats(args.batch_size, sum(int(mask[:, 1:].sum()) for _, _, mask in micro))
+        stats = run.stats(len(idx), sum(int(mask[:, 1:].sum()) for _, _, mask in micro))
         for ids, attn, mask in micro:
             with autocast(device, model):
                 out = token_stats(model, ids, attn, mask)
             nll = sft_loss(out["logp"], mask[:, 1:])
-            (nll / stats.n_tokens).backward()
-            stats.add("nll", nll.item())
-            stats.add("correct", out["correct"].sum().item())
+            (nll / stats.n_tokens).backward()  # torchrun: DDP's mean over ranks, the step's too
+            stats.add("loss", nll.item() / stats.n_tokens)
+            stats.add("token_acc", out["correct"].sum().item() / stats.n_tokens)
         # ---- the update: clip, the non-finite stop, step, the schedule ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        loss = stats.sums["nll"] / stats.n_tokens  # Eq. 1, the step's token mean
-        if run.finite(step, loss, grad_norm):  # else stop (or --skip_nonfinite)
+        if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
             opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        metrics = {"train/loss": stats.sums["nll"] / stats.n_tokens,
-                   "train/token_acc": stats.sums["correct"] / stats.n_tokens,
-                   "time/tokens_per_s": stats.n_tokens / (time.time() - run.t0)}
+        metrics = {**stats.metrics(),  # Eq. 1's token mean over the step, every rank's
+                   "time/tokens_per_s": stats.n_tokens * world / (time.time() - run.t0)}
         if step == total or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())

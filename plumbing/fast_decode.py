@@ -44,6 +44,7 @@ def dynamic_batch(model, eos, pick, rows, temperature, top_p, top_k, max_new_tok
             keep = active.nonzero()[:, 0]
             live, tok, active, pos, bias = (x[keep] for x in (live, tok, active, pos, bias))
             kv.keep(keep)
+            gen.keep(keep)
         pos = pos + 1
         logits = head(_forward(decoder, tok[:, None], pos[:, None], rope, kv,
                                bias[:, :P + t + 1]))  # (live, V)
@@ -345,7 +346,8 @@ def _graphed(step, gen):
         step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(gen)
+    if gen.gen is not None:  # keyed draws (torchrun) advance their count inside the graph
+        graph.register_generator_state(gen.gen)
     with torch.cuda.graph(graph, stream=stream):  # records only: nothing runs until a replay
         step()
     return graph.replay

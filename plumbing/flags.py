@@ -81,6 +81,8 @@ class TrainArgs:
     lora_targets: str = arg("all-linear", "modules LoRA adapts: all-linear (every projection but "
                                           "the LM head) or comma-separated names, e.g. "
                                           "q_proj,v_proj")
+    fsdp: bool = arg(False, "under torchrun: FSDP2's fully_shard, the weights, gradients and AdamW "
+                            "state sharded over the ranks, instead of DDP (README: More GPUs)")
 
     def policy_options(self):
         """load_policy's keyword arguments."""

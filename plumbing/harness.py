@@ -18,6 +18,7 @@ import torch
 
 from plumbing.checkpoints import (latest_state, load_state, save_checkpoint, save_state,
                                   step_is_finite)
+from plumbing import distributed as ranks
 from plumbing.flags import CountdownError, follow_threads
 from plumbing.models import check_same_tokenizer, frozen_dtype, load_model, trains_in_bf16
 
@@ -26,22 +27,23 @@ def prepare_run(output_dir, resume="", overwrite=False):
     """Before a script writes anything, the dir it will write to: `--resume DIR` continues the run
     in DIR; else a non-empty output_dir is refused unless --overwrite, which clears what a run
     appends to."""
-    if resume:
-        if not latest_state(resume):
-            raise CountdownError(
-                f"--resume {resume}: no saved training state in {resume}/state "
-                "(runs save one every --save_every steps); start it again with --overwrite")
-        return resume
-    if os.path.isdir(output_dir) and os.listdir(output_dir):
-        if not overwrite:
-            raise CountdownError(
-                f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
-                f"--resume {output_dir} to continue it, or another --output_dir")
+    ranks.distributed()  # under torchrun: with the other ranks, each looking before rank 0 writes
+    if resume and not latest_state(resume):
+        raise CountdownError(
+            f"--resume {resume}: no saved training state in {resume}/state "
+            "(runs save one every --save_every steps); start it again with --overwrite")
+    clear = not resume and os.path.isdir(output_dir) and bool(os.listdir(output_dir))
+    if clear and not overwrite:
+        raise CountdownError(
+            f"--output_dir {output_dir} is not empty: pass --overwrite to start it again, "
+            f"--resume {output_dir} to continue it, or another --output_dir")
+    ranks.barrier()
+    if clear and not ranks.rank():
         shutil.rmtree(os.path.join(output_dir, "state"), ignore_errors=True)
         for name in ("metrics.jsonl", "probe.jsonl"):  # probe.jsonl: curriculum.probe's
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(output_dir, name))
-    return output_dir
+    return resume or output_dir
 
 
 def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, lora_alpha=0.0,
@@ -51,7 +53,9 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
     PeftModel, its frozen base in frozen_dtype (bf16 on a GPU: a 7B base is 15 GB, not 30) and its
     adapters in fp32 (peft keeps them so), and save_checkpoint writes it merged, an ordinary
     checkpoint for the next --init. With `compile`, the decoder's forward (what token_stats runs)
-    is torch.compile'd; the sampler runs the layers one by one and stays eager."""
+    is torch.compile'd; the sampler runs the layers one by one and stays eager. Under torchrun the
+    rank joins the others first, and "cuda" is its own card (plumbing/distributed.py)."""
+    ranks.distributed()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = frozen_dtype(device) if lora_rank > 0 else torch.float32
     model, tok = load_model(init, device, dtype, **tiny_overrides)
@@ -152,8 +156,10 @@ class StepStats:
     norm as `grad/<term>`."""
 
     def __init__(self, n_rows, n_tokens, model=None):
+        # under torchrun, this rank's share of a mean's count (Run.stats): the means of the shares
+        # over the ranks, in metrics() as in DDP's gradient, are the whole batch's
         self.n_rows, self.n_tokens = n_rows, max(n_tokens, 1)
-        self.sums, self.maxima, self.gap = {}, {}, 0.0
+        self.sums, self.maxima, self.gap = {}, {}, None  # gap: the RL scripts'
         self.params = [] if model is None else [p for p in model.parameters() if p.requires_grad]
         self.grads = {}  # term -> its gradient, summed over micro-batches
 
@@ -173,7 +179,7 @@ class StepStats:
         self.maxima[name] = max(self.maxima.get(name, 0.0), value.max().item())
 
     def sampler_gap(self, logp, sampler_logp, mask):
-        self.gap += ((logp.detach() - sampler_logp).abs() * mask).sum().item()
+        self.gap = (self.gap or 0.0) + ((logp.detach() - sampler_logp).abs() * mask).sum().item()
 
     def term_grads(self, terms, scale):
         """How much of the update each knob really moves (grad/pg, grad/entropy, grad/kl: the
@@ -193,12 +199,15 @@ class StepStats:
 
     def metrics(self, passes=1):
         """The sums over `passes` passes of the batch (GRPO's num_iterations) as their mean per
-        pass."""
-        out = {f"train/{k}": v / passes for k, v in self.sums.items()}
-        out.update({f"train/{k}": v for k, v in self.maxima.items()})
-        out.update({f"grad/{k}": torch.sqrt(sum(a.float().square().sum() for a in acc)).item()
-                    for k, acc in self.grads.items()})
-        return {**out, "train/sampler_gap": self.gap / self.n_tokens}
+        pass; under torchrun, of every rank's."""
+        gap = {} if self.gap is None else {"sampler_gap": self.gap}
+        sums = ranks.reduce({**self.sums, **gap})
+        out = {f"train/{k}": v / passes for k, v in sums.items() if k not in gap}
+        out.update({f"train/{k}": v for k, v in ranks.reduce(self.maxima, "max").items()})
+        for k, acc in self.grads.items():
+            norm = torch.sqrt(sum(ranks.mean_tensor(a).float().square().sum() for a in acc))
+            out[f"grad/{k}"] = norm.item()
+        return {**out, **{"train/sampler_gap": sums[k] / self.n_tokens for k in gap}}
 
 
 class Run:
@@ -230,7 +239,8 @@ class Run:
         if config is not None:  # and the precision its training forwards compute in
             bf16 = trains_in_bf16(model.device.type)
             config = {**config, "train_compute": "bf16" if bf16 else "fp32"}
-        self.log_file = Logger(output_dir, total_steps, config, wandb_project, self.start)
+        self.log_file = None if ranks.rank() else Logger(output_dir, total_steps, config,
+                                                         wandb_project, self.start)
 
     def steps(self):
         """Step numbers from the first not yet done (run.start + 1) to the last, each one timed.
@@ -244,11 +254,13 @@ class Run:
     def next_indices(self, pool, k):
         """The next k of a shuffled order of `pool` (task indices), reshuffled when fewer than k
         are left or the pool has changed (a curriculum's new tier); and whether it was reshuffled
-        (a new epoch)."""
-        new_epoch = len(self.order) < k or len(pool) != self.pool_size
+        (a new epoch). Under torchrun, k is a rank's share: the step takes k x N, rank r the r-th
+        k of them, so that every N trains on the same batches."""
+        n, r = ranks.world(), ranks.rank()
+        new_epoch = len(self.order) < k * n or len(pool) != self.pool_size
         if new_epoch:
             self.order, self.pool_size = self.rng.sample(pool, len(pool)), len(pool)
-        idx, self.order = self.order[:k], self.order[k:]
+        idx, self.order = self.order[k * r:k * (r + 1)], self.order[k * n:]
         return idx, new_epoch
 
     def next_tasks(self, tasks, n, pool=None):
@@ -261,6 +273,8 @@ class Run:
         a backward per term."""
         due = self.term_grads and (self.step in (self.start + 1, self.total) or bool(
             self.eval_every and self.step % self.eval_every == 0))
+        # under torchrun: the step's tokens over all ranks / N, a rank's share of the token means
+        n_tokens = ranks.total(n_tokens) / ranks.world()
         return StepStats(n_rows, n_tokens, self.model if due else None)
 
     def sampled(self):
@@ -279,8 +293,11 @@ class Run:
         return False
 
     def checkpoint(self):
-        """The model as an HF checkpoint in output_dir (the next script's --init)."""
-        save_checkpoint(self.model, self.tok, self.output_dir)
+        """The model as an HF checkpoint in output_dir (the next script's --init), by rank 0."""
+        with ranks.full_weights(self.model):
+            if not ranks.rank():
+                save_checkpoint(self.model, self.tok, self.output_dir)
+            ranks.barrier()
 
     def log(self, step, metrics):
         """The step's metrics, with lr, grad norm, skipped steps and times (none at step 0), to
@@ -293,16 +310,22 @@ class Run:
                        "time/sample": self.t_sample, "time/update": now - self.t0 - self.t_sample,
                        "time/step": now - self.t0}
         self.grad_norms = []
-        self.log_file.log(step, metrics)
+        if self.log_file:  # rank 0's
+            self.log_file.log(step, metrics)
 
     def save(self, step, **extra):
         """A resumable state of the step (what --resume restarts from), with the script's `extra`
-        data state."""
-        save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng, self.ref,
-                   order=self.order, pool_size=self.pool_size, skipped=self.skipped, **extra)
+        data state; by rank 0 (DDP's ranks hold the same)."""
+        if not ranks.rank():
+            save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng,
+                       self.ref, order=self.order, pool_size=self.pool_size,
+                       skipped=self.skipped, **extra)
+        ranks.barrier()
 
     def close(self):
-        self.log_file.close()
+        ranks.barrier()
+        if self.log_file:
+            self.log_file.close()
         print(f"saved {self.output_dir}" if self.total else "no training steps")
 
 

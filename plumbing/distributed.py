@@ -1,0 +1,213 @@
+"""Data parallelism under `torchrun --nproc_per_node N <script>.py ...`, with PyTorch's own engines:
+DDP, or FSDP2's fully_shard with --fsdp. A plain `python <script>.py` never joins a process group,
+and everything here is then a no-op: the run is the single process it always was.
+  - `distributed()`, one call near the top of each main(): joins the group (NCCL on GPUs, gloo on
+    CPUs), gives the rank its own card, returns N.
+  - harness.load_policy wraps the policy (`wrap`): DDP or fully_shard around common.decoder_states,
+    the forward every loss runs, so each backward() averages its gradient over the ranks. Each rank
+    divides its loss by its own share of the batch (B/N prompts; SFT: the step's tokens / N), so
+    the average is the whole batch's loss, the gradient of one process (tests/test_distributed.py).
+  - Each rank takes its contiguous share of a step's prompts (harness.Run.next_indices): whole
+    groups for RL, so a group's advantage is computed where its rollouts are. A frozen reference
+    or teacher is never wrapped: each rank holds its own copy.
+  - The HF sampler draws per prompt (`Draws`): the same global batch and seed sample the same
+    rollouts whatever N is.
+  - Rank 0 alone prints, logs, evaluates and writes; metrics are reduced over the ranks first."""
+import builtins
+import contextlib
+import dataclasses
+import inspect
+import os
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+
+_WRAPPED = weakref.WeakKeyDictionary()  # policy -> its DDP/FSDP wrapper (common.decoder_states)
+
+
+def distributed():
+    """Join torchrun's process group, once; the number of ranks (1 for a plain `python` run). A
+    rank but 0 prints nothing from here on."""
+    if "RANK" not in os.environ:  # not launched by torchrun
+        return 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" is this rank's card
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if dist.get_rank():
+            builtins.print = lambda *args, **kwargs: None
+    return dist.get_world_size()
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class _Forward(torch.nn.Module):
+    """What DDP or FSDP wraps: the policy run as common.decoder_states runs it (the decoder, then
+    the caller's chunked LM head, which reads the wrapped weights)."""
+
+    def __init__(self, model, forward):
+        super().__init__()
+        self.model, self.run = model, forward
+
+    def forward(self, *args):
+        return self.run(self.model, *args)
+
+
+def wrap(model, forward, fsdp=False):
+    """Under torchrun, DDP (or FSDP2: each decoder layer, then the rest, sharded over the ranks)
+    around `forward(model, ...)`; wrapper(model) finds it. DDP starts every rank from rank 0's
+    weights. Returns the model, whose attributes and checkpoints are unchanged."""
+    if not dist.is_initialized():
+        return model
+    inner = _Forward(model, forward)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(inner)
+    else:
+        # no buffer sync in forward (RoPE's are computed): rank 0's evaluation runs alone
+        ddp = torch.nn.parallel.DistributedDataParallel
+        quiet = ("forward_sync_buffers" if "forward_sync_buffers" in
+                 inspect.signature(ddp).parameters else "broadcast_buffers")  # its 2.13 name
+        inner = ddp(inner, device_ids=[torch.cuda.current_device()] if torch.cuda.is_available()
+                    else None, **{quiet: False})
+    _WRAPPED[model] = inner
+    return model
+
+
+def wrapper(model):
+    return _WRAPPED.get(model)
+
+
+def fsdp_units(model):
+    """The FSDP modules of a policy wrapped with --fsdp (none otherwise)."""
+    from torch.distributed.fsdp import FSDPModule
+    inner = _WRAPPED.get(model)
+    return [] if inner is None else [m for m in inner.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def full_weights(model):
+    """Under FSDP, every rank holds the whole model for the block (sampling, a checkpoint, rank 0's
+    evaluation) and no forward in it communicates: a rank decodes as many tokens as its own rows
+    need. Nothing to do otherwise."""
+    units = fsdp_units(model)
+    for m in units:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def on_rank0(fn, model):
+    """fn() on rank 0 alone (its evaluation), every rank waiting for it; the others get {}."""
+    if not dist.is_initialized():
+        return fn()
+    with full_weights(model):
+        out = fn() if rank() == 0 else {}
+        dist.barrier()
+    return out
+
+
+def total(x):
+    """x (a number) summed over the ranks."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(float(x), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def reduce(values, op="mean"):
+    """A dict of numbers, each the mean (or max) of its value on every rank."""
+    if not dist.is_initialized() or not values:
+        return values
+    t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64)
+    dist.all_reduce(t, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return dict(zip(values, (t if op == "max" else t / world()).tolist()))
+
+
+def mean_tensor(t):
+    """A tensor's mean over the ranks (a copy)."""
+    if not dist.is_initialized():
+        return t
+    t = t.detach().clone()
+    dist.all_reduce(t)
+    return t / world()
+
+
+def gathered(samples, scores, reward, adv, tasks):
+    """A step's rollouts, scores (B*G,), rewards (B, G), advantages (B*G,) and tasks over every
+    rank, in rank order: the whole batch, for its log (common.rollout_metrics)."""
+    if not dist.is_initialized():
+        return samples, scores, reward, adv, tasks
+    every = [None] * world()
+    dist.all_gather_object(every, (samples, scores.cpu(), reward.cpu(), adv.cpu(), tasks))
+    fields = [f.name for f in dataclasses.fields(samples)]
+    merged = type(samples)(*([x for e in every for x in getattr(e[0], f)] for f in fields))
+    return (merged, *(torch.cat([e[i] for e in every]) for i in (1, 2, 3)),
+            [t for e in every for t in e[4]])
+
+
+class Draws:
+    """The random numbers of one decode batch: one torch generator (a plain run's), or under
+    torchrun a key per row (the seed, the prompt's text and its sample number), hashed with the
+    draw's count, so that a row's draws depend on nothing else: any batching and any number of
+    ranks sample the same rollouts. keep(rows) follows the rows the batch still holds."""
+
+    def __init__(self, gen=None, keys=None):
+        self.gen, self.keys = gen, keys
+        self.count = None if keys is None else torch.zeros((), dtype=torch.long,
+                                                           device=keys.device)
+
+    @classmethod
+    def for_rows(cls, rows, seed, device):
+        """Draws for rows (each its prompt's text): keyed under torchrun, else one generator."""
+        if not dist.is_initialized():
+            return cls(gen=torch.Generator(device=device).manual_seed(seed))
+        seen, keys = {}, []
+        for p in rows:  # a prompt's k-th row: its k-th sample
+            seen[p] = seen.get(p, -1) + 1
+            keys.append(zlib.crc32(f"{seed}|{seen[p]}|{p}".encode()))
+        return cls(keys=_mix(torch.tensor(keys, dtype=torch.long)).to(device))
+
+    def rows(self, s, e):
+        return self if self.keys is None else Draws(keys=self.keys[s:e])
+
+    def keep(self, rows):
+        if self.keys is not None:
+            self.keys = self.keys[rows]
+
+    def uniform(self, n, device):
+        """(n,) uniforms in [0, 1), one per row the batch holds."""
+        if self.keys is None:
+            return torch.rand(n, generator=self.gen, device=device)
+        self.count += 1  # in place: a CUDA graph's replay advances it too
+        return (_mix(self.keys ^ _mix(self.count)) >> 8).float() * 2.0**-24
+
+
+def _mix(x):
+    """A 32-bit integer hash (xorshift-multiply rounds), in int64 with no overflow: every product
+    is of a 32-bit value and a 31-bit constant."""
+    x = x & 0xFFFFFFFF
+    for c in (0x2C1B3C6D, 0x297A2D39):
+        x = ((x ^ (x >> 16)) * c) & 0xFFFFFFFF
+    return x ^ (x >> 16)
