@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from plumbing import fast_decode
 from plumbing.checkpoints import plain_weights
-from plumbing.distributed import Draws, gathered, world, wrap, wrapper
+from plumbing.distributed import Draws, full_weights, gather, gathered, release, world, wrap, wrapper
 from plumbing.flags import CountdownError
 from plumbing.models import trains_in_bf16
 from plumbing.tasks import solve_rates
@@ -131,15 +131,23 @@ class HFSampler:
     def sync(self, model):  # the training model itself samples: nothing to copy
         self.model = model
 
+    def wake(self):  # under FSDP: the whole model on every rank until sleep() (distributed.gather)
+        gather(self.model)
+
     def sleep(self):  # vLLM frees its GPU memory here; the HF sampler holds none of its own
-        pass
-    wake = sleep
+        release(self.model)
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
                  seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
         """One generator seeded by `seed` serves the call (`seed_requests` is vLLM's); bottom_p < 1:
         002's bottom-p on a token with probability bottom_p_freq; progress(rows) after a batch."""
+        with full_weights(self.model):  # under FSDP, the whole model for the call
+            return self._generate(prompts, n, temperature, top_p, top_k, max_new_tokens, seed,
+                                  bottom_p, bottom_p_freq, progress)
+
+    def _generate(self, prompts, n, temperature, top_p, top_k, max_new_tokens, seed, bottom_p,
+                  bottom_p_freq, progress):
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
         # one generator for the call; under torchrun a key per prompt (distributed.Draws)
@@ -764,8 +772,8 @@ def mix_reference(ref, model, mix, step=0, every=1):
     moving reference); nothing for no reference or every=0 (a frozen one)."""
     if ref is None or not every or step % every:
         return
-    for p_ref, p in zip(ref.parameters(), model.parameters()):
-        p_ref.mul_(1 - mix).add_(p, alpha=mix)
+    for p_ref, p in zip(ref.parameters(), model.parameters()):  # (FSDP: each weight gathered)
+        p_ref.mul_(1 - mix).add_(p.full_tensor() if hasattr(p, "full_tensor") else p, alpha=mix)
 
 
 # ---- the step's log ------------------------------------------------------------------------------

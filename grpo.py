@@ -31,8 +31,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, k3_kl, make_curriculum, make_sampler, micro_batches, mix_reference,
-                    probe, rollout_metrics, rollouts, score_rollouts, token_stats)
+from common import (autocast, data_parallel, k3_kl, make_curriculum, make_sampler, micro_batches,
+                    mix_reference, probe, rollout_metrics, rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
                             parse_args, seed_everything)
@@ -203,6 +203,7 @@ def main(argv=None):
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     # π_ref: the frozen init
     ref = frozen_copy(model) if args.beta > 0 else None
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
@@ -220,7 +221,7 @@ def main(argv=None):
                                  run.extra.get("curriculum"))
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
-    B, G = args.batch_size, args.group_size
+    B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the snapshot π_old ----
@@ -236,9 +237,9 @@ def main(argv=None):
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
         keep, n_tok = loss_rows(samples, args.mask_truncated)  # (B*G,), response tokens in the loss
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----
-        agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=n_tok,
+        stats, ref_logps, old_logps = run.stats(B * G, n_tok), {}, {}  # n_tokens: every rank's / N
+        agg = partial(aggregate, mode=args.loss_agg, n_rows=B * G, n_tokens=stats.n_tokens,
                       max_len=args.max_response_len)  # (b, T-1), (b, T-1) -> share of L
-        stats, ref_logps, old_logps = run.stats(B * G, n_tok), {}, {}
         for it in range(args.num_iterations):
             for i, (rows, ids, attn, mask, sampler_logp, prompts) in enumerate(micro_batches(
                     samples, args.micro_batch, tok.pad_token_id, device, share, args.forward_rows)):
@@ -260,7 +261,7 @@ def main(argv=None):
                 if it == 0:  # --term_grads on diagnose steps: an extra backward per term
                     stats.term_grads({k: agg(v, m) for k, v in info["terms"].items()}, 1)
                 loss = agg(per_token, m)
-                loss.backward()  # the whole gradient of these rollouts, their prompts' included
+                loss.backward()  # whole gradient (prompts too); torchrun: DDP averages over ranks
                 stats.add("loss", loss.item())
                 for k, v in (("entropy", out["entropy"]), ("kl", info["kl"]),
                              ("ratio", info["ratio"]), ("clip_frac", info["clipped"]),
@@ -277,8 +278,8 @@ def main(argv=None):
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004, if asked
         # ---- log, evaluate, checkpoint ----
         metrics = {**stats.metrics(args.num_iterations),
-                   **rollout_metrics(samples, scores, reward, adv, batch),
-                   **curriculum.update((scores == 1).float().mean().item())}  # 001 Alg. 1
+                   **rollout_metrics(samples, scores, reward, adv, batch)}
+        metrics.update(curriculum.update(metrics["train/accuracy"]))  # 001 Alg. 1, every rank's
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from common import autocast, make_sampler, score_rollouts, token_stats, tokenize_pairs
+from common import autocast, data_parallel, make_sampler, score_rollouts, token_stats, tokenize_pairs
 from evaluate import eval_metrics
 from plumbing.flags import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
 from plumbing.harness import Run, StepStats, frozen_copy, load_policy, prepare_run
@@ -161,6 +161,7 @@ def main(argv=None):
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
     ref = frozen_copy(model)  # π_ref: the frozen init (bf16 on a GPU)
+    world = data_parallel(model, args.fsdp)  # torchrun: N ranks (DDP/FSDP2), the same pairs; else 1
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
                            args.max_prompt_len + args.max_new_tokens, args.decode)
     pairs, report = build_pairs(args.pairs, args.data, args.num_prompts, args.template, sampler,
@@ -175,6 +176,8 @@ def main(argv=None):
     print(f"{report}: {len(pairs)} to train on, {len(held)} held out")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     batch = min(args.batch_size, len(pairs))  # a small pair set makes one smaller step
+    if batch % world:
+        raise CountdownError(f"a step's {batch} pairs do not split over {world} ranks")
     total = max(1, math.ceil(args.epochs * len(pairs) / batch))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(args.warmup * total), total)
@@ -192,19 +195,19 @@ def main(argv=None):
         # ---- batch of pairs (reshuffled every epoch) ----
         if len(run.order) < batch:
             run.order = random.Random(args.seed + step).sample(range(len(pairs)), len(pairs))
-        idx, run.order = run.order[:batch], run.order[batch:]
+        idx, run.order = run.share(run.order[:batch]), run.order[batch:]  # this rank's pairs
         # ---- per micro-batch: policy and reference log-probs, Eq. 2 (+ RPO) ----
-        stats = StepStats(batch, 0)
-        for s in range(0, batch, args.micro_batch):
+        stats, b = StepStats(len(idx), 0), len(idx)
+        for s in range(0, b, args.micro_batch):
             chunk = [pairs[i] for i in idx[s:s + args.micro_batch]]
             w, l, logp_w_tok, mask_w = logps(model, chunk)
             with torch.no_grad():
                 rw, rl, _, _ = logps(ref, chunk)
             loss, h = ipo_loss(w, l, rw, rl, args.beta)                               # (b,) each
             nll = rpo_nll(logp_w_tok, mask_w)                                          # (b,)
-            ((loss + args.rpo_alpha * nll).sum() / batch).backward()
+            ((loss + args.rpo_alpha * nll).sum() / b).backward()  # torchrun: DDP's rank mean
             for k, v in {**pair_report(loss, h, w, l, rw, rl), "rpo_nll": nll}.items():
-                stats.add(k, v.detach().sum().item())
+                stats.add(k, v.detach().sum().item() / b)
         # ---- the update: clip, the non-finite stop, step, the schedule ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
@@ -212,7 +215,7 @@ def main(argv=None):
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        metrics = {f"train/{k}": v / batch for k, v in stats.sums.items()}
+        metrics = stats.metrics()  # means over the step's pairs, every rank's
         if step == total or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())

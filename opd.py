@@ -33,8 +33,8 @@ from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, make_sampler, micro_batches, rollout_metrics, rollouts,
-                    score_rollouts, token_stats)
+from common import (autocast, behavior_logp, data_parallel, make_sampler, micro_batches,
+                    rollout_metrics, rollouts, score_rollouts, token_stats)
 from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
                             parse_args, seed_everything)
@@ -132,6 +132,7 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options())
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
@@ -142,7 +143,7 @@ def main(argv=None):
     run = Run(output_dir, args.max_steps, model, tok, opt, **args.run_options(output_dir))
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
-    B, G = args.batch_size, args.group_size
+    B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
@@ -171,7 +172,7 @@ def main(argv=None):
             # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
             stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # mean over rollouts
-            loss.backward()  # the whole gradient of these rollouts, their prompts' forward included
+            loss.backward()  # whole gradient (prompts too); torchrun: DDP averages over ranks
             stats.add("loss", loss.item())
             for k in ("pg", "is_weight", "is_weight_raw"):
                 stats.row_mean(k, info[k])

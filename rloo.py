@@ -177,7 +177,7 @@ def main(argv=None):
             # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
             stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # −(1/G) Σ_i, mean over prompts
-            loss.backward()  # these rollouts' gradient, prompts included; torchrun: DDP's mean over ranks
+            loss.backward()  # whole gradient (prompts too); torchrun: DDP averages over ranks
             stats.add("loss", loss.item())
             stats.row_mean("is_weight", info["is_weight"])  # clipped, and as 000 watches it
             stats.row_mean("is_weight_raw", info["is_weight_raw"])

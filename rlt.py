@@ -38,7 +38,8 @@ from functools import partial
 
 import torch
 
-from common import autocast, k3_kl, make_sampler, micro_batches, mix_reference, token_stats
+from common import (autocast, data_parallel, k3_kl, make_sampler, micro_batches, mix_reference,
+                    token_stats)
 from plumbing.explanations import (balanced, export_traces, measure_balance, next_solved,
                                    rlt_tasks, solved)
 from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
@@ -257,6 +258,7 @@ def main(argv=None):
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
     ref = frozen_copy(model) if args.beta > 0 else None  # π_ref
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
     tasks, eval_tasks = rlt_tasks(args.data, args.eval_data, args.eval_problems,  # eval: solved
                                   args.export_problems if args.max_steps == 0 else None)
     export_len = args.export_max_new_tokens or 2 * args.max_response_len  # 004 Table 4: 2 x
@@ -280,7 +282,7 @@ def main(argv=None):
     run = Run(output_dir, args.max_steps, model, tok, opt, ref=ref, **args.run_options(output_dir))
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
-    B, G = args.batch_size, args.group_size
+    B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B (question, solution) prompts x G explanations from the teacher ----
@@ -308,7 +310,7 @@ def main(argv=None):
             # --term_grads, on diagnose steps only: an extra backward per term (each term's pull)
             stats.term_grads(info["terms"], B * G)
             loss = loss.sum() / (B * G)  # 1/G Σ_i, mean over prompts
-            loss.backward()  # the whole gradient of these rollouts, their prompts' forward included
+            loss.backward()  # whole gradient (prompts too); torchrun: DDP averages over ranks
             stats.add("loss", loss.item())
             stats.token_mean("entropy", out["entropy"], m)
             stats.token_mean("kl", info["kl"], m)
@@ -321,8 +323,8 @@ def main(argv=None):
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004: slowly moving
         expl_tokens = sum(map(len, tok(expl, add_special_tokens=False)["input_ids"]))
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(), **rlt_metrics(samples, reward.view(B, G), r_ss, r_kl, pen,
-                                                    expl_tokens)}
+        metrics = {**stats.metrics(), **run.mean(rlt_metrics(samples, reward.view(B, G), r_ss, r_kl,
+                                                             pen, expl_tokens))}  # every rank's
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())
@@ -330,11 +332,12 @@ def main(argv=None):
         if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
             run.save(step)
     run.close()
-    if args.export:
+    if args.export:  # by rank 0 under torchrun
         ex = solved(tasks, args.export_problems)
-        export_traces(args.export, partial(explain_fn, max_new_tokens=export_len), score_fn,
-                      *zip(*ex), args.export_best_of, partial(student_row, template=args.template),
-                      args.seed, args.export_verified, args.export_redraws)
+        run.on_rank0(lambda: export_traces(
+            args.export, partial(explain_fn, max_new_tokens=export_len), score_fn, *zip(*ex),
+            args.export_best_of, partial(student_row, template=args.template), args.seed,
+            args.export_verified, args.export_redraws))
     return model
 
 

@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 
+from plumbing.distributed import fsdp_units, load_full_state
 from plumbing.flags import CountdownError
 
 
@@ -35,20 +36,20 @@ def plain_weights(model, device=None):
         yield name, value
 
 
-def save_checkpoint(model, tokenizer, output_dir):
+def save_checkpoint(model, tokenizer, output_dir, weights=None):
     """Write an HF checkpoint into output_dir without ever leaving a half-written file: save to a
     temp dir inside it, then os.replace each file (config.json last: it is what marks a
     checkpoint). A LoRA model is saved merged (plain_weights), an ordinary HF checkpoint. The
     config and generation config name the tokenizer's EOS, the one every script appends to its
     targets: vLLM and transformers then stop where the trainer's sampler does (an -Instruct base
-    lists <|im_end|> and <|endoftext|>)."""
+    lists <|im_end|> and <|endoftext|>). `weights`: the model's, gathered (FSDP's full_state)."""
     os.makedirs(output_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=output_dir)
     plain = model.get_base_model() if hasattr(model, "merge_and_unload") else model
     for cfg in (plain.config, getattr(plain, "generation_config", None)):
         if cfg is not None:
             cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    plain.save_pretrained(tmp, state_dict=dict(plain_weights(model, "cpu")))
+    plain.save_pretrained(tmp, state_dict=weights or dict(plain_weights(model, "cpu")))
     tokenizer.save_pretrained(tmp)
     for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -77,14 +78,16 @@ def trained_state(model):
     return {k: v for k, v in model.state_dict().items() if k not in frozen}
 
 
-def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, **extra):
+def save_state(output_dir, step, model, opt, sched=None, rng=None, ref=None, full=None, **extra):
     """Everything a run needs to go on at step+1 (weights, optimizer, schedule, the global RNGs, the
     script's data-order `rng`, a moving reference, and `extra`: its data order), written to a
-    temp dir and renamed to state/step_N: a kill never leaves half a state."""
+    temp dir and renamed to state/step_N: a kill never leaves half a state. `full`: the model's and
+    optimizer's states gathered from FSDP's shards (distributed.full_state)."""
     root = os.path.join(output_dir, "state")
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-    state = {"step": step, "model": trained_state(model), "optimizer": opt.state_dict(),
+    weights, optim = full or (trained_state(model), opt.state_dict())
+    state = {"step": step, "model": weights, "optimizer": optim, "fsdp": full is not None,
              "scheduler": sched.state_dict() if sched else None, "python_rng": random.getstate(),
              "torch_rng": torch.get_rng_state(), "rng": rng.getstate() if rng else None,
              "ref": None if ref is None else ref.state_dict(), "extra": extra}
@@ -101,11 +104,19 @@ def load_state(output_dir, model, opt, sched=None, rng=None, ref=None):
     extra)."""
     path = latest_state(output_dir)
     s = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=False)
-    missing, unexpected = model.load_state_dict(s["model"], strict=False)
+    if bool(s.get("fsdp")) != bool(fsdp_units(model)):
+        raise CountdownError(f"{path} was saved {'with' if s.get('fsdp') else 'without'} --fsdp: "
+                             "resume it the same way")
+    if s.get("fsdp"):  # every rank takes its shards of the whole state
+        load_full_state(model, opt, s["model"], s["optimizer"])
+        missing, unexpected = [], []
+    else:
+        missing, unexpected = model.load_state_dict(s["model"], strict=False)
     if unexpected or set(missing) - frozen_names(model):  # only what never trains may be absent
         raise CountdownError(f"{path} does not fit --init's model (missing {sorted(missing)[:3]}, "
                              f"unexpected {sorted(unexpected)[:3]}): resume with the run's flags")
-    opt.load_state_dict(s["optimizer"])
+    if not s.get("fsdp"):
+        opt.load_state_dict(s["optimizer"])
     if sched is not None:
         sched.load_state_dict(s["scheduler"])
     random.setstate(s["python_rng"])

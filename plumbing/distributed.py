@@ -100,21 +100,61 @@ def fsdp_units(model):
     return [] if inner is None else [m for m in inner.modules() if isinstance(m, FSDPModule)]
 
 
+_GATHERED = weakref.WeakKeyDictionary()  # FSDP wrapper -> how many full_weights blocks are open
+
+
+def gather(model):
+    """Under FSDP, every rank gathers the whole model (all ranks call it together), and no forward
+    communicates until release(): a rank decodes as many tokens as its own rows need. Nested calls
+    count; nothing to do without FSDP."""
+    units = fsdp_units(model)
+    if units and _GATHERED.setdefault(units[-1], 0) == 0:
+        for m in units:
+            m.unshard()
+            if m is not units[0]:  # the root (units[0]) keeps its own: whole after a forward
+                m.set_reshard_after_forward(False)
+    if units:
+        _GATHERED[units[-1]] += 1
+
+
+def release(model):
+    units = fsdp_units(model)
+    if units and _GATHERED.get(units[-1], 0) > 0:  # (a release with no gather: nothing)
+        _GATHERED[units[-1]] -= 1
+        if _GATHERED[units[-1]] == 0:
+            for m in units:
+                m.reshard()
+                if m is not units[0]:
+                    m.set_reshard_after_forward(True)
+
+
 @contextlib.contextmanager
 def full_weights(model):
-    """Under FSDP, every rank holds the whole model for the block (sampling, a checkpoint, rank 0's
-    evaluation) and no forward in it communicates: a rank decodes as many tokens as its own rows
-    need. Nothing to do otherwise."""
-    units = fsdp_units(model)
-    for m in units:
-        m.unshard()
-        m.set_reshard_after_forward(False)
+    """gather() for the block (sampling, a checkpoint, rank 0's evaluation), then release()."""
+    gather(model)
     try:
         yield
     finally:
-        for m in units:
-            m.reshard()
-            m.set_reshard_after_forward(True)
+        release(model)
+
+
+def full_state(model, opt=None):
+    """Under FSDP, the whole model's (and the optimizer's) state on rank 0's CPU, under the plain
+    model's names; every rank calls it together. None without FSDP (the model's own is whole)."""
+    if not fsdp_units(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights, optim = get_state_dict(_WRAPPED[model], [opt] if opt else [], options=options)
+    return {k.removeprefix("model."): v for k, v in weights.items()}, optim
+
+
+def load_full_state(model, opt, weights, optim):
+    """full_state's dicts back into an FSDP model and its optimizer, sharded over the ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    set_state_dict(_WRAPPED[model], [opt], model_state_dict={
+        f"model.{k}": v for k, v in weights.items()}, optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def on_rank0(fn, model):

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 
+from plumbing import distributed as ranks
 from plumbing.flags import CountdownError
 from plumbing.tasks import load_tasks, write_jsonl
 from plumbing.traces import arithmetic
@@ -36,14 +37,15 @@ def solved(tasks, n=None):
 
 def next_solved(run, tasks, n):
     """The next n solvable tasks of the run's shuffled order, as (task, solution): unsolvable tasks
-    drop out, so draw until n are in (reshuffling when the order runs out)."""
-    batch = []
+    drop out, so draw until n are in (reshuffling when the order runs out). Under torchrun, n is a
+    rank's share: the step draws n x N and takes this rank's (run.share)."""
+    batch, n = [], n * ranks.world()
     while len(batch) < n:
         if not run.order:
             run.order = run.rng.sample(range(len(tasks)), len(tasks))
         take, run.order = run.order[:n - len(batch)], run.order[n - len(batch):]
         batch += solved([tasks[i] for i in take])
-    return batch
+    return run.share(batch)
 
 
 def balance_weights(parts):
@@ -80,7 +82,8 @@ def measure_balance(explain_fn, parts_of, pairs, n):
 def balanced(output_dir, init, measure):
     """(α, λ) of this run: saved in OUTPUT_DIR/balance.json by its start (a resumed run keeps
     them), else those its --init teacher was trained with, else measure() -> (α, λ, info) on the
-    initial completions, then saved."""
+    initial completions, then saved (by rank 0; every rank measures the same, per-prompt draws)."""
+    ranks.barrier()  # every rank has looked before rank 0 writes
     for d in (output_dir, init):
         path = os.path.join(d, "balance.json")
         if os.path.isfile(path):
@@ -88,6 +91,8 @@ def balanced(output_dir, init, measure):
                 b = json.load(f)
             return b["alpha"], b["lam"]
     alpha, lam, info = measure()
+    if ranks.rank():
+        return alpha, lam
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "balance.json")
     with open(path + ".tmp", "w") as f:

@@ -130,14 +130,17 @@ class RLArgs(TrainArgs):
     def shares_prompts(self, model):
         """--prompt_forward resolved for `model`: shared, unless on a GPU (`auto`: its memory
         measured per row, docs/gpu.md) or with --gradient_checkpointing, whose recompute
-        transformers runs without the cache that carries the prompts (said in one line)."""
+        transformers runs without the cache that carries the prompts, or with --fsdp, whose layers
+        free their gathered weights after a forward while the cache's gradient still needs them
+        (said in one line)."""
         check_choice("prompt_forward", self.prompt_forward, ("auto", "shared", "per_row"))
-        if self.prompt_forward == "shared" and self.gradient_checkpointing:
-            print("--prompt_forward shared: per row instead, since --gradient_checkpointing runs "
-                  "transformers' layers without the cache that shares each prompt")
+        alone = not (self.gradient_checkpointing or self.fsdp)
+        if self.prompt_forward == "shared" and not alone:
+            print("--prompt_forward shared: per row instead, since --gradient_checkpointing or "
+                  "--fsdp runs the layers without the cache that shares each prompt")
         if self.prompt_forward == "auto":
-            return next(model.parameters()).device.type == "cpu" and not self.gradient_checkpointing
-        return self.prompt_forward == "shared" and not self.gradient_checkpointing
+            return next(model.parameters()).device.type == "cpu" and alone
+        return self.prompt_forward == "shared" and alone
 
 
 def check_choice(flag, value, choices):

@@ -256,12 +256,27 @@ class Run:
         are left or the pool has changed (a curriculum's new tier); and whether it was reshuffled
         (a new epoch). Under torchrun, k is a rank's share: the step takes k x N, rank r the r-th
         k of them, so that every N trains on the same batches."""
-        n, r = ranks.world(), ranks.rank()
+        n = ranks.world()
         new_epoch = len(self.order) < k * n or len(pool) != self.pool_size
         if new_epoch:
             self.order, self.pool_size = self.rng.sample(pool, len(pool)), len(pool)
-        idx, self.order = self.order[k * r:k * (r + 1)], self.order[k * n:]
+        idx, self.order = self.share(self.order[:k * n]), self.order[k * n:]
         return idx, new_epoch
+
+    @staticmethod
+    def share(items):
+        """This rank's contiguous share of a step's items (all of them in one process)."""
+        k = len(items) // ranks.world()
+        return items[k * ranks.rank():k * (ranks.rank() + 1)]
+
+    @staticmethod
+    def mean(metrics):
+        """A dict of means over this rank's share, as the means over every rank's."""
+        return ranks.reduce(metrics)
+
+    def on_rank0(self, fn):
+        """fn() by rank 0 alone (with the whole model under FSDP); the other ranks wait."""
+        return ranks.on_rank0(fn, self.model)
 
     def next_tasks(self, tasks, n, pool=None):
         """The next n tasks, drawn from `pool` (indices into tasks; default all of them)."""
@@ -294,10 +309,10 @@ class Run:
 
     def checkpoint(self):
         """The model as an HF checkpoint in output_dir (the next script's --init), by rank 0."""
-        with ranks.full_weights(self.model):
-            if not ranks.rank():
-                save_checkpoint(self.model, self.tok, self.output_dir)
-            ranks.barrier()
+        full = ranks.full_state(self.model)  # FSDP: gathered from every rank's shards
+        if not ranks.rank():
+            save_checkpoint(self.model, self.tok, self.output_dir, full and full[0])
+        ranks.barrier()
 
     def log(self, step, metrics):
         """The step's metrics, with lr, grad norm, skipped steps and times (none at step 0), to
@@ -315,10 +330,11 @@ class Run:
 
     def save(self, step, **extra):
         """A resumable state of the step (what --resume restarts from), with the script's `extra`
-        data state; by rank 0 (DDP's ranks hold the same)."""
+        data state; by rank 0 (DDP's ranks hold the same; FSDP's shards gathered first)."""
+        full = ranks.full_state(self.model, self.opt)
         if not ranks.rank():
             save_state(self.output_dir, step, self.model, self.opt, self.sched, self.rng,
-                       self.ref, order=self.order, pool_size=self.pool_size,
+                       self.ref, full, order=self.order, pool_size=self.pool_size,
                        skipped=self.skipped, **extra)
         ranks.barrier()
 
