@@ -146,7 +146,12 @@ def full_state(model, opt=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights, optim = get_state_dict(_WRAPPED[model], [opt] if opt else [], options=options)
-    return {k.removeprefix("model."): v for k, v in weights.items()}, optim
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    tied = {}  # tied weights (the embedding and the LM head) one tensor again, as save_pretrained
+    for name, p in model.named_parameters(remove_duplicate=False):  # expects them
+        if name in weights:
+            weights[name] = tied.setdefault(id(p), weights[name])
+    return weights, optim
 
 
 def load_full_state(model, opt, weights, optim):
@@ -207,6 +212,11 @@ def gathered(samples, scores, reward, adv, tasks):
             [t for e in every for t in e[4]])
 
 
+def keyed():
+    """Whether the HF sampler draws per prompt: under torchrun."""
+    return dist.is_initialized()
+
+
 class Draws:
     """The random numbers of one decode batch: one torch generator (a plain run's), or under
     torchrun a key per row (the seed, the prompt's text and its sample number), hashed with the
@@ -221,7 +231,7 @@ class Draws:
     @classmethod
     def for_rows(cls, rows, seed, device):
         """Draws for rows (each its prompt's text): keyed under torchrun, else one generator."""
-        if not dist.is_initialized():
+        if not keyed():
             return cls(gen=torch.Generator(device=device).manual_seed(seed))
         seen, keys = {}, []
         for p in rows:  # a prompt's k-th row: its k-th sample
