@@ -23,7 +23,8 @@ from transformers import DynamicCache
 
 from plumbing import fast_decode
 from plumbing.checkpoints import plain_weights
-from plumbing.distributed import Draws, full_weights, gather, gathered, release, world, wrap, wrapper
+from plumbing.distributed import (Draws, fsdp_units, gather, gathered, keyed, prompt_keys, release,
+                                  world, wrap, wrapper)
 from plumbing.flags import CountdownError
 from plumbing.models import trains_in_bf16
 from plumbing.tasks import solve_rates
@@ -72,7 +73,7 @@ def _sample(logits, gen):
     torch.multinomial draws one exponential per vocabulary entry (measured: 8% of all sampling
     time). (N, V) -> (N,)"""
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
-    u = _uniform(gen, len(cdf), cdf.device)[:, None] * cdf[:, -1:]  # (N, 1)
+    u = Draws.of(gen).uniform(len(cdf), cdf.device)[:, None] * cdf[:, -1:]  # (N, 1)
     return torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[-1] - 1)  # first cdf ≥ u
 
 
@@ -134,7 +135,7 @@ class HFSampler:
     def wake(self):  # under FSDP: the whole model on every rank until sleep() (distributed.gather)
         gather(self.model)
 
-    def sleep(self):  # vLLM frees its GPU memory here; the HF sampler holds none of its own
+    def sleep(self):  # vLLM frees its GPU memory here; the HF sampler, FSDP's gathered weights
         release(self.model)
 
     @torch.no_grad()
@@ -142,12 +143,6 @@ class HFSampler:
                  seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
         """One generator seeded by `seed` serves the call (`seed_requests` is vLLM's); bottom_p < 1:
         002's bottom-p on a token with probability bottom_p_freq; progress(rows) after a batch."""
-        with full_weights(self.model):  # under FSDP, the whole model for the call
-            return self._generate(prompts, n, temperature, top_p, top_k, max_new_tokens, seed,
-                                  bottom_p, bottom_p_freq, progress)
-
-    def _generate(self, prompts, n, temperature, top_p, top_k, max_new_tokens, seed, bottom_p,
-                  bottom_p_freq, progress):
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         rows = [p for p in prompt_ids for _ in range(n)]
         # one generator for the call; under torchrun a key per prompt (distributed.Draws)
@@ -242,15 +237,8 @@ def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
     # which rows cut their head this token (drawn only if bottom-p is on)
     explore = None
     if bottom_p < 1.0:
-        explore = _uniform(gen, len(logits), logits.device) < bottom_p_freq
+        explore = Draws.of(gen).uniform(len(logits), logits.device) < bottom_p_freq
     return _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
-
-
-def _uniform(gen, n, device):
-    """(n,) uniforms from a torch generator or a Draws (one per row the batch holds)."""
-    if isinstance(gen, torch.Generator):
-        return torch.rand(n, generator=gen, device=device)
-    return gen.uniform(n, device)
 
 
 def _decode_precision(dev):
@@ -299,7 +287,8 @@ class VLLMSampler:
                        enable_sleep_mode=self.sleep_mode,
                        logprobs_mode="processed_logprobs",
                        max_num_batched_tokens=max_num_batched_tokens or (None if gpu else 65536),
-                       **memory)
+                       **memory, **({"distributed_executor_backend": "external_launcher"}
+                                    if keyed() else {}))  # torchrun: one engine a rank (TRL's)
 
     def sync(self, model):
         """The trainer's weights into the engine by vLLM's own layer-by-layer in-place reload (a
@@ -339,10 +328,11 @@ class VLLMSampler:
         if self.asleep:
             raise CountdownError("generate() on a sleeping vLLM engine: wake() and sync() it first")
         prompt_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
+        seeds = prompt_keys(prompts, seed) if keyed() else [  # torchrun: per prompt, any N alike
+            seed + i * n if seed_requests else None for i in range(len(prompts))]
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                  top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
-                                 seed=seed + i * n if seed_requests else None, logprobs=0)
-                  for i in range(len(prompts))]
+                                 seed=s, logprobs=0) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                  use_tqdm=progress is not None)
         comps = [c for o in outs for c in o.outputs]
@@ -360,6 +350,9 @@ def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=204
     """`hf`: the training model itself samples, with the `decode` loop (auto: the faster here).
     `vllm`: an engine loaded from `model_dir`, synced from the trainer before each rollout, its
     context cut to the model's positions (the tiny model has 1,024)."""
+    if backend == "vllm" and fsdp_units(model):
+        raise CountdownError("--backend vllm with --fsdp: the engine syncs from whole weights; "
+                             "run vLLM under DDP (no --fsdp), or --fsdp with --backend hf")
     if backend == "vllm":
         return VLLMSampler(model_dir, tokenizer, seed,
                            min(max_model_len, model.config.max_position_embeddings))
@@ -668,13 +661,11 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
 
 
 def data_parallel(model, fsdp=False, batch_size=None):
-    """Under torchrun, DDP (FSDP2's fully_shard with `fsdp`) around decoder_states, the forward
-    every loss runs: each backward() then averages the gradient over the ranks. N, the number of
-    ranks (1: a plain run, the model untouched); batch_size must split evenly over them."""
+    """N ranks under torchrun: DDP (FSDP2 with `fsdp`) around decoder_states, so backward()
+    averages the gradient over them (plumbing/distributed.py); 1 and the model untouched, else."""
     if batch_size is not None and batch_size % world():
         raise CountdownError(f"--batch_size {batch_size} does not split over {world()} ranks")
-    wrap(model, decoder_states, fsdp)
-    return world()
+    return wrap(model, decoder_states, fsdp)
 
 
 def decoder_states(model, input_ids, attention_mask, prompts=None, wrapped=True):
@@ -686,8 +677,7 @@ def decoder_states(model, input_ids, attention_mask, prompts=None, wrapped=True)
     forward. The rows, sorted by length, run in forwards of prompts.spans, each padded to its own
     longest: a group's rollouts differ in length (here 40-160 tokens), and one forward of them all
     would pad each to the longest. Across a group the prompt is a quarter of a row (~34 of ~150).
-    Under torchrun it runs inside DDP or FSDP (plumbing/distributed.py), whose backward averages the
-    gradient over the ranks."""
+    Under torchrun: inside DDP or FSDP (data_parallel)."""
     if wrapped and wrapper(model) is not None:
         return wrapper(model)(input_ids, attention_mask, prompts, False)
     decoder = model.get_decoder()
@@ -780,8 +770,7 @@ def mix_reference(ref, model, mix, step=0, every=1):
 def rollout_metrics(samples, scores, reward, adv, tasks):
     """Paper 001's flatline diagnostics of an RL batch, its strategies and its mistakes. scores
     (B*G,): verifier scores 0/0.1/1; reward (B, G): what the advantage saw; adv (B*G,); tasks:
-    the B prompts' problems. A group whose rewards are all equal has A = 0. Under torchrun, of
-    every rank's rollouts (gathered)."""
+    the B prompts' problems. A group whose rewards are all equal has A = 0. Every rank's rollouts."""
     samples, scores, reward, adv, tasks = gathered(samples, scores, reward, adv, tasks)
     n, group_std = len(samples.completion_ids), reward.std(1)  # (B,) within-group spread
     return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),

@@ -109,6 +109,7 @@ def build_pairs(pairs, data, num_prompts, template, sampler, group_size, tempera
         return out, f"{len(out)} solver pairs from {len(tasks)} prompts"
     # the init's samples: a right one and a wrong one of the same prompt
     prompts = [make_prompt(t["nums"], t["target"], template) for t in tasks]
+    sampler.wake()  # under FSDP: the whole model on every rank
     samples = sampler.generate(prompts, group_size, temperature, 1.0, 0, max_new_tokens, seed)
     sampler.sleep()
     # (N*G,) 1 / 0.1 / 0, (N, G) 001's credit

@@ -4,6 +4,8 @@
     python benchmarks/memory.py -v           # ... and every term of both, with its assumption
     python benchmarks/memory.py --markdown   # the README walkthrough's two estimate columns
     python benchmarks/memory.py grpo.py --init out/sft --micro_batch 32    # any one command
+    python benchmarks/memory.py torchrun --nproc_per_node 8 sft.py --init Qwen/Qwen2.5-7B --fsdp
+                                             # one rank's share of an 8-card run (README: More GPUs)
 
 A stage's memory is the largest of its phases: `sample` (rollouts: a vLLM engine awake, or the HF
 sampler's KV cache), `update` (forward and backward of one micro-batch), `step` (AdamW) and `eval`.
@@ -240,9 +242,23 @@ def vllm_awake(card):
 
 
 # ---- one command ---------------------------------------------------------------------------------
-def parse_command(command):
-    """(script, Args) of `python SCRIPT.py FLAGS...`, read with the script's own parser."""
+def ranks_of(command):
+    """N of `torchrun --nproc_per_node N SCRIPT.py ...` (1 for a plain command)."""
     words = shlex.split(command)
+    if words[:1] != ["torchrun"] or "--nproc_per_node" not in words:
+        return 1
+    try:
+        return int(words[words.index("--nproc_per_node") + 1])
+    except (IndexError, ValueError):
+        raise EstimateError("--nproc_per_node: give a number of cards") from None
+
+
+def parse_command(command):
+    """(script, Args) of `python SCRIPT.py FLAGS...` (or torchrun's), read with the script's own
+    parser."""
+    words = shlex.split(command)
+    if words and words[0] == "torchrun":  # its own flags come before the script
+        words = words[next((i for i, w in enumerate(words) if w.endswith(".py")), len(words)):]
     if words and words[0].startswith("python"):
         words = words[1:]
     if not words or not words[0].endswith(".py"):
@@ -293,6 +309,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
     """The Estimate of one command. Memory takes every row at its token budget (a random model,
     or an early RL policy, writes to the end); time takes rows of response_tokens."""
     script, a = parse_command(command)
+    n = ranks_of(command)  # torchrun's ranks: each holds its share (README: More GPUs)
     if script == "evaluate.py":
         return _estimate_eval(a, prompt_tokens, response_tokens, finishing, card)
     if script not in ("sft.py", "ipo.py", "rloo.py", "grpo.py", "opd.py", "rlt.py"):
@@ -349,18 +366,22 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
     persist = {**states, **held}
     if script == "ipo.py":
         sample_prompts, new = a.num_prompts, a.max_new_tokens
-    else:
-        sample_prompts, new = a.batch_size, a.max_response_len
+    else:  # each rank samples its share of the prompts (IPO's pairs: every rank all of them)
+        sample_prompts, new = math.ceil(a.batch_size / n), a.max_response_len
     sample_rows = 0 if script == "sft.py" else sample_prompts * a.group_size
 
     def sampling(rows_, prompts_, new_):
         if vllm:
             return {**persist, **vllm_awake(card)}
-        return {**persist, **copies, **hf_sampling(pol, rows_, prompts_, P, new_, finishing, card)}
+        whole = {"the whole model, gathered (fp32)": 4 * pol.params()} if n > 1 and a.fsdp else {}
+        return {**persist, **copies, **whole,
+                **hf_sampling(pol, rows_, prompts_, P, new_, finishing, card)}
     if sample_rows:
         phases["sample"] = sampling(sample_rows, sample_prompts, new)
     eval_rows = a.eval_problems * a.eval_samples
     phases["eval"] = sampling(eval_rows, a.eval_problems, a.eval_max_new_tokens)
+    if n > 1:
+        sharded(phases, pol, trained, n, a.fsdp, lora)
     # ---- time ----
     time, tps, flops = {}, SAMPLE_TPS[pol.label()], PEAK_FLOPS * MFU
     R = min(response_tokens, a.max_response_len)
@@ -382,6 +403,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
         steps = a.max_steps
         step_rows, step_sample = sample_rows, sample_rows * R
         evals = n_evals(steps, a.eval_every)
+    step_rows = math.ceil(step_rows / n) if script != "ipo.py" else step_rows / n  # a rank's
     step_tokens = step_rows * ctx
     time["sampling"] = steps * step_sample / tps
     time["update" + (" (checkpointed: 4 passes)" if gc else "")] = steps * train_flops(
@@ -400,10 +422,27 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
             a.export_problems * a.export_best_of * R / tps
     if vllm:
         time["vLLM start"] = VLLM_STARTUP_S
-    notes.append(f"{steps} steps")
+    notes.append(f"{steps} steps" + (f", one rank of {n} ({'FSDP2' if a.fsdp else 'DDP'}); "
+                                     "the gradients' all-reduce not counted" if n > 1 else ""))
     if per_rows:
         notes.append(f"+ {fmt_time(per_eval)} an evaluation, every {a.eval_every} steps")
     return Estimate(script, phases, time, notes, per_rows, per_eval)
+
+
+def sharded(phases, s, trained, n, fsdp, lora):
+    """One rank's training phases under torchrun. FSDP2 (fsdp): the fp32 weights, gradients and
+    AdamW moments split n ways, plus the layers it gathers around a forward or backward (this one
+    and the next, prefetched) and the root's embedding, norm and head, whole from its forward to its
+    backward. DDP: every rank holds it all, plus the gradient buckets it all-reduces (a copy)."""
+    gathered = 2 * 4 * (s.layer_matmul() + 3 * s.H) + 4 * s.V * s.H * (1 if s.tied else 2)
+    for phase, terms in phases.items():
+        for k in [k for k in terms if k.startswith(("weights", "AdamW", "gradients"))]:
+            if fsdp:
+                terms[k + f", 1/{n}"] = terms.pop(k) / n
+        if fsdp and phase in ("update", "step"):  # sampling gathers the whole model instead
+            terms["gathered: 2 layers + embedding and head (fp32)"] = gathered
+        elif not fsdp and not lora and phase in ("update", "step"):
+            terms["DDP's gradient buckets (fp32)"] = 4 * trained
 
 
 def n_evals(steps, every, at_start=True):

@@ -68,10 +68,10 @@ class _Forward(torch.nn.Module):
 
 def wrap(model, forward, fsdp=False):
     """Under torchrun, DDP (or FSDP2: each decoder layer, then the rest, sharded over the ranks)
-    around `forward(model, ...)`; wrapper(model) finds it. DDP starts every rank from rank 0's
-    weights. Returns the model, whose attributes and checkpoints are unchanged."""
+    around `forward(model, ...)`; wrapper(model) finds it, and the model's attributes and
+    checkpoints are unchanged. DDP starts every rank from rank 0's weights. Returns N."""
     if not dist.is_initialized():
-        return model
+        return 1
     inner = _Forward(model, forward)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -86,7 +86,7 @@ def wrap(model, forward, fsdp=False):
         inner = ddp(inner, device_ids=[torch.cuda.current_device()] if torch.cuda.is_available()
                     else None, **{quiet: False})
     _WRAPPED[model] = inner
-    return model
+    return world()
 
 
 def wrapper(model):
@@ -212,6 +212,15 @@ def gathered(samples, scores, reward, adv, tasks):
             [t for e in every for t in e[4]])
 
 
+def prompt_keys(prompts, seed):
+    """A 32-bit key per prompt from the seed and its text (a repeated prompt: its k-th copy, k)."""
+    seen, keys = {}, []
+    for p in prompts:
+        seen[p] = seen.get(p, -1) + 1
+        keys.append(zlib.crc32(f"{seed}|{seen[p]}|{p}".encode()))
+    return keys
+
+
 def keyed():
     """Whether the HF sampler draws per prompt: under torchrun."""
     return dist.is_initialized()
@@ -233,11 +242,12 @@ class Draws:
         """Draws for rows (each its prompt's text): keyed under torchrun, else one generator."""
         if not keyed():
             return cls(gen=torch.Generator(device=device).manual_seed(seed))
-        seen, keys = {}, []
-        for p in rows:  # a prompt's k-th row: its k-th sample
-            seen[p] = seen.get(p, -1) + 1
-            keys.append(zlib.crc32(f"{seed}|{seen[p]}|{p}".encode()))
-        return cls(keys=_mix(torch.tensor(keys, dtype=torch.long)).to(device))
+        return cls(keys=_mix(torch.tensor(prompt_keys(rows, seed), dtype=torch.long)).to(device))
+
+    @staticmethod
+    def of(gen):
+        """gen itself, or a plain torch generator as Draws."""
+        return gen if isinstance(gen, Draws) else Draws(gen=gen)
 
     def rows(self, s, e):
         return self if self.keys is None else Draws(keys=self.keys[s:e])

@@ -1,6 +1,7 @@
 """Shared by the tests: paths, the tiny generated task set, and one tiny random checkpoint per
 session."""
 import os
+import sys
 import tempfile
 
 import pytest
@@ -47,3 +48,25 @@ def gap_bound(bf16, vllm=False):
     on the tiny model and 1.9e-3 on the pipeline's SFT model, while a sampler one step stale at lr
     1e-3 is 0.2 off (tests/test_rl_signal.py): 1e-2 tells the two apart."""
     return 1e-2 if bf16 else (1e-4 if vllm else 1e-5)
+
+
+def run_cli(script, *args):
+    """`python script args...` as its cli() runs it, in this process (no interpreter to start: the
+    one-line error checks ran 3-4 s each as subprocesses): the exit code and stderr, as
+    subprocess.run returns them. An exception that is not a one-line error propagates."""
+    import contextlib
+    import importlib
+    import io
+    from types import SimpleNamespace
+
+    from plumbing.flags import cli
+    module, err, argv = importlib.import_module(script[:-3]), io.StringIO(), sys.argv
+    sys.argv, code = [script, *args], 0
+    try:
+        with contextlib.redirect_stderr(err):
+            cli(module.main)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = argv
+    return SimpleNamespace(returncode=code, stderr=err.getvalue())

@@ -81,8 +81,9 @@ def test_common_defines_the_helpers_the_card_names():
              for a in n.names}
     assert not wanted & taken, sorted(wanted & taken)
     # ~600 of lesson helpers, and the step's lesson moved here from plumbing/: the curriculum (001
-    # Alg. 1, 002's filter), the rollouts' metrics, the shared prompts' forward inside autograd
-    assert len(open(os.path.join(ROOT, "common.py")).read().splitlines()) <= 780
+    # Alg. 1, 002's filter), the rollouts' metrics, the shared prompts' forward inside autograd;
+    # 800 with torchrun's data_parallel, the keyed draws' hooks and the ranks' gathered log
+    assert len(open(os.path.join(ROOT, "common.py")).read().splitlines()) <= 800
 
 
 def test_the_package_imports_nothing_from_the_top_but_verifier():
@@ -176,7 +177,9 @@ def test_benchmarks_hold_only_what_is_used():
     # with arith_probe.py (64 lines: a base model's arithmetic on 3- and 4-number paths, why the 3to4 lane has its own)
     # 2,910 with four_numbers.py (153 lines: paper 001's questions on the 3to4 lane: 6 RLOO runs, two at a time, resumable,
     # each variant against the control paired by problem)
-    assert total <= 2910, f"benchmarks/ has {total} lines (budget 2,910)"
+    # 2,970 with memory.py's torchrun ranks (one rank's share of a DDP or FSDP2 run, ~40 lines) and
+    # gpu_smoke.sh --torchrun (13: README's More GPUs on a machine's cards)
+    assert total <= 2970, f"benchmarks/ has {total} lines (budget 2,970)"
     used = "".join(open(os.path.join(ROOT, p)).read() for p in ["README.md", "run_cpu.sh"] + [
         os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")] + [
         os.path.join("tests", f) for f in os.listdir(os.path.join(ROOT, "tests")) if f.endswith(".py")] + [

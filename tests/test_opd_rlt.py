@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import GEN, ROOT
+from conftest import GEN, ROOT, run_cli
 from test_graded import check_opd_loss, check_reward_parts, check_rlt_reward
 
 from plumbing import flags as C
@@ -431,8 +431,7 @@ def test_balance_is_measured_once_and_kept_by_a_resumed_run(tmp_path):
 ])
 def test_bad_input_is_a_one_line_error(script, flags, message, ckpts, tmp_path):
     flags = [ckpts["other"] if f == "OTHER" else ckpts["student"] if f == "STUDENT" else f for f in flags]
-    r = subprocess.run([sys.executable, script, "--init", ckpts["student"], *FAST, *flags, "--output_dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = run_cli(script, "--init", ckpts["student"], *FAST, *flags, "--output_dir", str(tmp_path))
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

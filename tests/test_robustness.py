@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import GEN, ROOT
+from conftest import run_cli as cli
 
 from plumbing import checkpoints
 from plumbing import flags as C
@@ -149,41 +150,42 @@ def test_skip_nonfinite_drops_a_transient_bad_step_and_counts_it(script, ckpt, t
 
 
 def test_clear_one_line_errors(ckpt, tmp_path):
-    """Every mistake in the issue's list, through the real CLIs."""
+    """Every mistake in the issue's list, through the real CLIs (in this process, but the hub's: its
+    environment)."""
     no_ckpt = tmp_path / "empty_dir"
     no_ckpt.mkdir()
-    one_line_error(run("rloo.py", "--init", str(tmp_path / "typo"), *RL, "--output_dir", str(tmp_path / "a")),
+    one_line_error(cli("rloo.py", "--init", str(tmp_path / "typo"), *RL, "--output_dir", str(tmp_path / "a")),
                    "no such checkpoint dir")
-    one_line_error(run("grpo.py", "--init", str(no_ckpt), *RL, "--output_dir", str(tmp_path / "b")), "not a checkpoint dir")
+    one_line_error(cli("grpo.py", "--init", str(no_ckpt), *RL, "--output_dir", str(tmp_path / "b")), "not a checkpoint dir")
     one_line_error(run("sft.py", "--init", "Qwen/Qwen2.5-0.5B", *EVAL, "--output_dir", str(tmp_path / "c"),
                        env={"HF_ENDPOINT": "http://127.0.0.1:9"}), "--init tiny")
     wrong = tmp_path / "wrong_fields.jsonl"
     wrong.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
-    one_line_error(run("sft.py", "--init", "tiny", *EVAL, "--data", str(wrong), "--output_dir", str(tmp_path / "d")),
+    one_line_error(cli("sft.py", "--init", "tiny", *EVAL, "--data", str(wrong), "--output_dir", str(tmp_path / "d")),
                    "missing field(s) ['query', 'completion']; the line has ['prompt', 'response']")
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"nums": [1, 2, 3], "target": 6}\n{"nums": [1, 2\n')
-    one_line_error(run("rloo.py", "--init", ckpt, *RL, "--data", str(bad), "--output_dir", str(tmp_path / "e")),
+    one_line_error(cli("rloo.py", "--init", ckpt, *RL, "--data", str(bad), "--output_dir", str(tmp_path / "e")),
                    "tasks.jsonl:2: not valid JSON")
     unsolvable = tmp_path / "unsolvable.jsonl"
     unsolvable.write_text(json.dumps({"nums": [1, 1, 1], "target": 97}) + "\n")
-    one_line_error(run("rlt.py", "--init", ckpt, "--student", ckpt, *RL, "--data", str(unsolvable),
+    one_line_error(cli("rlt.py", "--init", ckpt, "--student", ckpt, *RL, "--data", str(unsolvable),
                        "--output_dir", str(tmp_path / "f")), "no solvable tasks")
     other = M.build_tiny_tokenizer(vocab_size=300)
     save_checkpoint(M.build_tiny_model(other), other, str(tmp_path / "other"))
-    one_line_error(run("opd.py", "--init", ckpt, "--teacher", str(tmp_path / "other"), *RL, "--output_dir",
+    one_line_error(cli("opd.py", "--init", ckpt, "--teacher", str(tmp_path / "other"), *RL, "--output_dir",
                        str(tmp_path / "g")), "different tokenizers")
-    one_line_error(run("sft.py", "--init", "tiny", *EVAL, "--strategies", "random:0.5,sideways:0.5", "--output_dir",
+    one_line_error(cli("sft.py", "--init", "tiny", *EVAL, "--strategies", "random:0.5,sideways:0.5", "--output_dir",
                        str(tmp_path / "j")), "--strategies / --mistakes: unknown strategy or negative weight 'sideways:0.5'")
-    one_line_error(run("ipo.py", "--init", ckpt, *EVAL, "--batch_size", "6", "--micro_batch", "4", "--output_dir",
+    one_line_error(cli("ipo.py", "--init", ckpt, *EVAL, "--batch_size", "6", "--micro_batch", "4", "--output_dir",
                        str(tmp_path / "h")), "not a multiple")
-    one_line_error(run("rloo.py", "--init", ckpt, *RL, "--max_prompt_len", "5", "--output_dir", str(tmp_path / "i")),
+    one_line_error(cli("rloo.py", "--init", ckpt, *RL, "--max_prompt_len", "5", "--output_dir", str(tmp_path / "i")),
                    "longer than --max_prompt_len 5")
-    one_line_error(run("evaluate.py", "--model", ckpt, "--data", GEN, "--num_problems", "2", "--batch_size", "0"),
+    one_line_error(cli("evaluate.py", "--model", ckpt, "--data", GEN, "--num_problems", "2", "--batch_size", "0"),
                    "--batch_size (rows decoded together) must be at least 1, not 0")
     # the main venv: the vLLM lane has a venv of its own
     if importlib.util.find_spec("vllm") is None:
-        one_line_error(run("evaluate.py", "--model", ckpt, "--backend", "vllm", "--data", GEN, "--num_problems", "2"),
+        one_line_error(cli("evaluate.py", "--model", ckpt, "--backend", "vllm", "--data", GEN, "--num_problems", "2"),
                        "--backend vllm needs vLLM")
 
 
