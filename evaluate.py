@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from common import HFSampler, autocast, make_sampler
-from plumbing.distributed import on_rank0
+from plumbing.distributed import by_rank0
 from plumbing.flags import CountdownError, arg, cli, parse_args, seed_everything
 from plumbing.models import device_and_dtype, load_model
 from plumbing.tasks import load_tasks, read_jsonl, write_jsonl
@@ -198,17 +198,12 @@ def evaluate(model, tokenizer, tasks, num_samples=16, temperature=0.6, top_p=0.9
     return summarize(records), records
 
 
+@by_rank0  # under torchrun, rank 0 alone evaluates; the others wait and get {}
 def eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler=None,
                  decode="auto"):
     """The trainers' periodic held-out evaluation as `eval/...` metrics, with the papers' fixed
     sampler. `sampler`: the script's own (a vLLM engine is woken and synced to `model` first);
-    None: HF sampling with `model` and the `decode` loop. Under torchrun, rank 0 alone evaluates."""
-    return on_rank0(lambda: _eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens,
-                                          template, seed, sampler, decode), model)
-
-
-def _eval_metrics(model, tokenizer, tasks, n_samples, max_new_tokens, template, seed, sampler,
-                  decode):
+    None: HF sampling with `model` and the `decode` loop."""
     was_training = model.training
     model.eval()
     if sampler is None:

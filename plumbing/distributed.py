@@ -16,6 +16,7 @@ and everything here is then a no-op: the run is the single process it always was
 import builtins
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 import weakref
@@ -170,6 +171,14 @@ def on_rank0(fn, model):
         out = fn() if rank() == 0 else {}
         dist.barrier()
     return out
+
+
+def by_rank0(fn):
+    """A decorator: fn(model, ...) as on_rank0 runs it (an evaluation)."""
+    @functools.wraps(fn)
+    def wrapped(model, *args, **kwargs):
+        return on_rank0(lambda: fn(model, *args, **kwargs), model)
+    return wrapped
 
 
 def total(x):
