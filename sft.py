@@ -189,16 +189,16 @@ def main(argv=None):
                 out = token_stats(model, ids, attn, mask)
             nll = sft_loss(out["logp"], mask[:, 1:])
             (nll / stats.n_tokens).backward()  # torchrun: DDP's mean over ranks, the step's too
-            stats.add("loss", nll.item() / stats.n_tokens)
-            stats.add("token_acc", out["correct"].sum().item() / stats.n_tokens)
+            stats.add("loss", nll.item())  # Eq. 1's numerator: metrics() divides by the tokens
+            stats.add("token_acc", out["correct"].sum().item())
         # ---- the update: clip, the non-finite stop, step, the schedule ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
+        if run.finite(step, stats.sums["loss"] / stats.n_tokens, grad_norm):  # else stop (or skip)
             opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(),  # Eq. 1's token mean over the step, every rank's
+        metrics = {**stats.metrics(per_token=True),  # Eq. 1's token mean over the step, every rank's
                    "time/tokens_per_s": stats.n_tokens * world / (time.time() - run.t0)}
         if step == total or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing

@@ -197,12 +197,13 @@ class StepStats:
                 if g is not None:
                     a.add_(g)
 
-    def metrics(self, passes=1):
+    def metrics(self, passes=1, per_token=False):
         """The sums over `passes` passes of the batch (GRPO's num_iterations) as their mean per
-        pass; under torchrun, of every rank's."""
+        pass (per_token: per loss token too); under torchrun, of every rank's."""
         gap = {} if self.gap is None else {"sampler_gap": self.gap}
         sums = ranks.reduce({**self.sums, **gap})
-        out = {f"train/{k}": v / passes for k, v in sums.items() if k not in gap}
+        per = passes * (self.n_tokens if per_token else 1)
+        out = {f"train/{k}": v / per for k, v in sums.items() if k not in gap}
         out.update({f"train/{k}": v for k, v in ranks.reduce(self.maxima, "max").items()})
         for k, acc in self.grads.items():
             norm = torch.sqrt(sum(ranks.mean_tensor(a).float().square().sum() for a in acc))
