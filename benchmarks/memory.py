@@ -309,7 +309,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
     """The Estimate of one command. Memory takes every row at its token budget (a random model,
     or an early RL policy, writes to the end); time takes rows of response_tokens."""
     script, a = parse_command(command)
-    n = ranks_of(command)  # torchrun's ranks: each holds its share (README: More GPUs)
+    ranks = ranks_of(command)  # torchrun's ranks: each holds its share (README: More GPUs)
     if script == "evaluate.py":
         return _estimate_eval(a, prompt_tokens, response_tokens, finishing, card)
     if script not in ("sft.py", "ipo.py", "rloo.py", "grpo.py", "opd.py", "rlt.py"):
@@ -367,21 +367,22 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
     if script == "ipo.py":
         sample_prompts, new = a.num_prompts, a.max_new_tokens
     else:  # each rank samples its share of the prompts (IPO's pairs: every rank all of them)
-        sample_prompts, new = math.ceil(a.batch_size / n), a.max_response_len
+        sample_prompts, new = math.ceil(a.batch_size / ranks), a.max_response_len
     sample_rows = 0 if script == "sft.py" else sample_prompts * a.group_size
 
     def sampling(rows_, prompts_, new_):
         if vllm:
             return {**persist, **vllm_awake(card)}
-        whole = {"the whole model, gathered (fp32)": 4 * pol.params()} if n > 1 and a.fsdp else {}
+        fsdp = ranks > 1 and a.fsdp  # FSDP2: every rank gathers the whole model to sample
+        whole = {"the whole model, gathered (fp32)": 4 * pol.params()} if fsdp else {}
         return {**persist, **copies, **whole,
                 **hf_sampling(pol, rows_, prompts_, P, new_, finishing, card)}
     if sample_rows:
         phases["sample"] = sampling(sample_rows, sample_prompts, new)
     eval_rows = a.eval_problems * a.eval_samples
     phases["eval"] = sampling(eval_rows, a.eval_problems, a.eval_max_new_tokens)
-    if n > 1:
-        sharded(phases, pol, trained, n, a.fsdp, lora)
+    if ranks > 1:
+        sharded(phases, pol, trained, ranks, a.fsdp, lora)
     # ---- time ----
     time, tps, flops = {}, SAMPLE_TPS[pol.label()], PEAK_FLOPS * MFU
     R = min(response_tokens, a.max_response_len)
@@ -403,7 +404,7 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
         steps = a.max_steps
         step_rows, step_sample = sample_rows, sample_rows * R
         evals = n_evals(steps, a.eval_every)
-    step_rows = math.ceil(step_rows / n) if script != "ipo.py" else step_rows / n  # a rank's
+    step_rows = math.ceil(step_rows / ranks) if script != "ipo.py" else step_rows / ranks
     step_tokens = step_rows * ctx
     time["sampling"] = steps * step_sample / tps
     time["update" + (" (checkpointed: 4 passes)" if gc else "")] = steps * train_flops(
@@ -422,8 +423,8 @@ def estimate(command, prompt_tokens=PROMPT_TOKENS, response_tokens=RESPONSE_TOKE
             a.export_problems * a.export_best_of * R / tps
     if vllm:
         time["vLLM start"] = VLLM_STARTUP_S
-    notes.append(f"{steps} steps" + (f", one rank of {n} ({'FSDP2' if a.fsdp else 'DDP'}); "
-                                     "the gradients' all-reduce not counted" if n > 1 else ""))
+    notes.append(f"{steps} steps" + (f", one rank of {ranks} ({'FSDP2' if a.fsdp else 'DDP'}); "
+                                     "the gradients' all-reduce not counted" if ranks > 1 else ""))
     if per_rows:
         notes.append(f"+ {fmt_time(per_eval)} an evaluation, every {a.eval_every} steps")
     return Estimate(script, phases, time, notes, per_rows, per_eval)

@@ -1,12 +1,13 @@
 """Data parallelism under `torchrun --nproc_per_node N <script>.py ...`, with PyTorch's own engines:
 DDP, or FSDP2's fully_shard with --fsdp. A plain `python <script>.py` never joins a process group,
 and everything here is then a no-op: the run is the single process it always was.
-  - `distributed()`, one call near the top of each main(): joins the group (NCCL on GPUs, gloo on
-    CPUs), gives the rank its own card, returns N.
-  - harness.load_policy wraps the policy (`wrap`): DDP or fully_shard around common.decoder_states,
-    the forward every loss runs, so each backward() averages its gradient over the ranks. Each rank
-    divides its loss by its own share of the batch (B/N prompts; SFT: the step's tokens / N), so
-    the average is the whole batch's loss, the gradient of one process (tests/test_distributed.py).
+  - `distributed()` (prepare_run and load_policy call it): joins the group (NCCL on GPUs, gloo on
+    CPUs) and gives the rank its own card.
+  - `wrap`, through common.data_parallel, the one visible call after load_policy in each main():
+    DDP or fully_shard around common.decoder_states, the forward every loss runs, so each
+    backward() averages its gradient over the ranks. Each rank divides its loss by its own share of
+    the batch (B/N prompts; SFT: the step's tokens / N), so the average is the whole batch's loss,
+    the gradient of one process (tests/test_distributed.py, docs/distributed.md).
   - Each rank takes its contiguous share of a step's prompts (harness.Run.next_indices): whole
     groups for RL, so a group's advantage is computed where its rollouts are. A frozen reference
     or teacher is never wrapped: each rank holds its own copy.
