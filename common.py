@@ -770,7 +770,8 @@ def mix_reference(ref, model, mix, step=0, every=1):
 def rollout_metrics(samples, scores, reward, adv, tasks):
     """Paper 001's flatline diagnostics of an RL batch, its strategies and its mistakes. scores
     (B*G,): verifier scores 0/0.1/1; reward (B, G): what the advantage saw; adv (B*G,); tasks:
-    the B prompts' problems. A group whose rewards are all equal has A = 0. Every rank's rollouts."""
+    the B prompts' problems. A group whose rewards are all equal has A = 0. Every rank's
+    rollouts."""
     samples, scores, reward, adv, tasks = gathered(samples, scores, reward, adv, tasks)
     n, group_std = len(samples.completion_ids), reward.std(1)  # (B,) within-group spread
     return {"train/reward": reward.mean(), "train/accuracy": (scores == 1).float().mean(),

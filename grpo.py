@@ -203,7 +203,7 @@ def main(argv=None):
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     # π_ref: the frozen init
     ref = frozen_copy(model) if args.beta > 0 else None
-    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,

@@ -22,7 +22,8 @@ from functools import partial
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from common import autocast, data_parallel, make_sampler, score_rollouts, token_stats, tokenize_pairs
+from common import (autocast, data_parallel, make_sampler, score_rollouts, token_stats,
+                    tokenize_pairs)
 from evaluate import eval_metrics
 from plumbing.flags import CountdownError, TrainArgs, arg, cli, parse_args, seed_everything
 from plumbing.harness import Run, StepStats, frozen_copy, load_policy, prepare_run
@@ -162,7 +163,7 @@ def main(argv=None):
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
     ref = frozen_copy(model)  # π_ref: the frozen init (bf16 on a GPU)
-    world = data_parallel(model, args.fsdp)  # torchrun: N ranks (DDP/FSDP2), the same pairs; else 1
+    world = data_parallel(model, args.fsdp)  # torchrun's N ranks (each builds the pairs), else 1
     sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
                            args.max_prompt_len + args.max_new_tokens, args.decode)
     pairs, report = build_pairs(args.pairs, args.data, args.num_prompts, args.template, sampler,

@@ -131,7 +131,7 @@ def main(argv=None):
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
-    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)

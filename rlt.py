@@ -258,7 +258,7 @@ def main(argv=None):
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     student = load_frozen(args.student, device, tok, args.init)  # whose view makes the reward
     ref = frozen_copy(model) if args.beta > 0 else None  # π_ref
-    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     tasks, eval_tasks = rlt_tasks(args.data, args.eval_data, args.eval_problems,  # eval: solved
                                   args.export_problems if args.max_steps == 0 else None)
     export_len = args.export_max_new_tokens or 2 * args.max_response_len  # 004 Table 4: 2 x

@@ -138,7 +138,7 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options(), compile=args.compile,
                                      hidden_size=args.tiny_hidden,
                                      num_hidden_layers=args.tiny_layers)
-    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun: N ranks (DDP/FSDP2); else 1
+    world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     if args.data.startswith("rlt"):  # 004 §A.1: RLT's teacher format, the solution in the prompt
         data = partial(teacher_sft_data, args.data, template=args.template,
                        eval_problems=args.eval_problems, seed=args.seed, dead_ends=args.dead_ends,
@@ -198,7 +198,7 @@ def main(argv=None):
         sched.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(per_token=True),  # Eq. 1's token mean over the step, every rank's
+        metrics = {**stats.metrics(per_token=True),  # Eq. 1's token mean, every rank's tokens
                    "time/tokens_per_s": stats.n_tokens * world / (time.time() - run.t0)}
         if step == total or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing

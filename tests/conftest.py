@@ -60,13 +60,13 @@ def run_cli(script, *args):
     from types import SimpleNamespace
 
     from plumbing.flags import cli
-    module, err, argv = importlib.import_module(script[:-3]), io.StringIO(), sys.argv
+    module, out, err, argv = importlib.import_module(script[:-3]), io.StringIO(), io.StringIO(), sys.argv
     sys.argv, code = [script, *args], 0
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             cli(module.main)
     except SystemExit as e:
         code = e.code
     finally:
         sys.argv = argv
-    return SimpleNamespace(returncode=code, stderr=err.getvalue())
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

@@ -24,8 +24,12 @@ RL = [*EVAL, "--batch_size", "2", "--group_size", "3", "--micro_batch", "4", "--
 
 
 def run(*args, env=None):
+    """A script's command line: in this process (cli, no interpreter to start), or with an
+    environment of its own in a subprocess."""
+    if env is None:
+        return cli(*args)
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **env})
 
 
 def one_line_error(r, message):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import GEN, ROOT
+from conftest import GEN, ROOT, run_cli
 from test_graded import check_ipo_loss, check_rpo_nll, check_sequence_logp, check_sft_loss
 
 from plumbing import flags as C
@@ -25,8 +25,7 @@ FAST = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_prob
 
 
 def run(script, *args):
-    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True)
-    return r
+    return run_cli(script, *args)  # in this process: no interpreter to start
 
 
 def test_sft_loss_counts_response_tokens_only():
