@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import GEN, ROOT
+from conftest import GEN, ROOT, run_cli
 from safetensors.torch import load_file
 
 import common as S
@@ -28,7 +28,20 @@ FP32 = {"COUNTDOWN_CPU_BF16": "0", "OMP_NUM_THREADS": "1"}  # bf16 rounds differ
 
 
 def launch(nproc, args, out, wait=True):
-    """`torchrun --nproc_per_node nproc` (0: plain python) of a script's command line into `out`."""
+    """`torchrun --nproc_per_node nproc` of a script's command line into `out`; 0: one process, this
+    one (run_cli: no interpreter to start)."""
+    if nproc == 0:
+        env, threads = dict(os.environ), torch.get_num_threads()
+        os.environ.update(FP32)
+        torch.set_num_threads(1)  # as each rank
+        try:
+            r = run_cli(*args, "--output_dir", str(out))
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(threads)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
     head = [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                 "--nproc_per_node", str(nproc)]
     cmd = [*head, os.path.join(ROOT, args[0]), *args[1:], "--output_dir", str(out)]
@@ -70,12 +83,14 @@ def test_sft_on_two_ranks_is_the_one_process_run(tmp_path):
     assert len(rows(tmp_path / "two")) == 3
 
 
-def test_rloo_on_two_ranks_is_the_one_rank_run_and_a_killed_run_resumes(tiny_ckpt, tmp_path):
+def test_rloo_on_two_ranks_is_the_one_process_run_and_a_killed_run_resumes(tiny_ckpt, tmp_path, monkeypatch):
     """RLOO for 3 steps: each rank samples its own whole groups (per-prompt draws: the same rollouts
     for any N), and the update equals one rank's, with DDP and with FSDP2. Then a 2-rank run killed
     after a saved state resumes and ends where the unbroken one did."""
     cmd = [*RLOO, "--init", tiny_ckpt, "--max_steps", "3"]
-    launch(1, cmd, tmp_path / "one")
+    monkeypatch.setattr(D, "keyed", lambda: True)  # one process drawing per prompt, as a rank does
+    launch(0, cmd, tmp_path / "one")
+    monkeypatch.undo()
     for name, flags in (("ddp", []), ("fsdp", ["--fsdp"])):
         launch(2, [*cmd, *flags], tmp_path / name)
         assert_same_run(tmp_path / "one", tmp_path / name)
