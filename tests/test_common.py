@@ -1,12 +1,10 @@
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 from plumbing import flags as C
 from plumbing import tasks as D
@@ -406,14 +404,13 @@ def test_logger_writes_jsonl(tmp_path):
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "evaluate.py", "--model", str(tmp_path / "nope")], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = run_cli("evaluate.py", "--model", str(tmp_path / "nope"))  # in this process
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no such checkpoint dir" in r.stderr
 
 
 @pytest.mark.parametrize("script", ["sft.py", "ipo.py", "rloo.py", "grpo.py", "evaluate.py"])
 def test_every_script_has_help(script):
-    r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+    r = run_cli(script, "--help")  # in this process: argparse prints it and exits 0
     assert r.returncode == 0 and "--output_dir" in r.stdout or "--out" in r.stdout
     assert "usage:" in r.stdout and "(default:" in r.stdout
 

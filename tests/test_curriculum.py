@@ -3,7 +3,6 @@ the data order over a pool, bottom-p, per-problem temperature; and 2-step runs w
 import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ from plumbing import models as M
 import rloo
 import common as S
 from plumbing.flags import CountdownError
-from conftest import GEN, ROOT, gap_bound
+from conftest import GEN, ROOT, gap_bound, run_cli
 from common import pack, token_stats
 from plumbing.harness import Run
 
@@ -256,8 +255,8 @@ def test_rloo_two_steps_with_tiers_then_resume_keeps_the_level(tiny_ckpt, tmp_pa
     (["--bottom_p", "0.9", "--backend", "vllm"], "--bottom_p needs --backend hf"),
 ])
 def test_bad_curriculum_and_exploration_flags_are_one_line_errors(flags, message, tiny_ckpt, tmp_path):
-    r = subprocess.run([sys.executable, "grpo.py", "--init", tiny_ckpt, *FAST, "--probe_problems", "4", *flags,
-                        "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    r = run_cli("grpo.py", "--init", tiny_ckpt, *FAST, "--probe_problems", "4", *flags, "--output_dir",
+                str(tmp_path))  # in this process
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import GEN, ROOT, gap_bound
+from conftest import GEN, ROOT, gap_bound, run_cli
 from test_graded import (check_aggregate, check_grpo_advantages, check_grpo_loss, check_importance_weights,
                          check_rloo_advantages, check_rloo_loss)
 
@@ -357,8 +357,7 @@ def test_grpo_reference_stays_frozen_and_syncs_when_asked(tiny_ckpt, tmp_path, m
     ("rloo.py", "--backend", "sglang", "--backend must be hf or vllm"),
 ])
 def test_bad_flags_are_one_line_errors(script, flag, value, message, tiny_ckpt, tmp_path):
-    r = subprocess.run([sys.executable, script, "--init", tiny_ckpt, *FAST, flag, value, "--output_dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = run_cli(script, "--init", tiny_ckpt, *FAST, flag, value, "--output_dir", str(tmp_path))  # in this process
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 

@@ -2,8 +2,6 @@ import functools
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
