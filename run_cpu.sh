@@ -91,11 +91,12 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # and test numbers as 100 steps at 5e-5, a quarter less RL work (issue 61; 75 steps at 5e-5 cost GRPO 0.03 of its val
 # lift over five runs: docs/studies/performance.md, "Fewer RL steps at a higher lr"). A backward every 16 groups (128 rollouts), each
 # prompt's forward once for its group, the rollouts in forwards of 32 sorted by length (--forward_rows): the same loss, and
-# one GRPO-shaped update 0.81x the per-row forward's in bf16, 0.78x in fp32 capped at AVX2; forwards of 32, not the flag's 16,
-# as the three RL stages share two cores here: 16 ran fastest alone, 32 side by side (docs/studies/performance.md,
-# "The shared forward inside autograd"). No --term_grads: each loss term's own gradient
+# one GRPO-shaped update 0.81x the per-row forward's in bf16, 0.78x in fp32 capped at AVX2. Forwards of 32 where the RL
+# stages train in bf16 (path.env), 16 in fp32: the three stages side by side on two cores, bf16 ran no slower at 32, fp32
+# 0.93-0.97x at 16 (docs/studies/performance.md, "The shared forward inside autograd"). No --term_grads: each loss term's own gradient
 # (grad/<term>, docs/studies/loss_terms.md) cost a backward per term on 5 steps of each stage, ~12 s each here
-RL=(--lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows 32 --max_response_len $LEN --max_steps $RL_STEPS
+RL_ROWS=$([[ ${COUNTDOWN_CPU_BF16:-} == 1 ]] && echo 32 || echo 16)
+RL=(--lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows $RL_ROWS --max_response_len $LEN --max_steps $RL_STEPS
     --eval_every 25 --save_every 25 --wrong_reward 0 --no_answer_reward 0)
 # RLOO and OPD take Eq. 3's log-prob per token (--pg_norm mean), not summed over the rollout's ~100 tokens: summed, it
 # drowns λ_H and λ_KL (3e-5 and 5e-3 of its pull) and RLOO's val pass@1 fell 0.50 -> 0.32, against 0.45 (docs/studies/loss_terms.md)

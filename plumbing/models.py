@@ -8,8 +8,9 @@ import random
 import re
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 import verifier
 from plumbing import traces
@@ -142,29 +143,36 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
 
 
 def cpu_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager attention as a CPU trains fastest, registered under its name
-    (common.autocast sets it): each KV head's g query heads as g·T rows of one matmul (no copy of
-    the keys per head), the mask added inside it, and in bf16 the softmax over the bf16 scores
-    (torch's CPU kernel sums in fp32), not over an fp32 copy each way: a GRPO update 0.87x as the
-    hand-written forward measured it. In fp32 too: the three RL stages side by side ran their
-    updates 0.91x as with torch's fused attention (docs/studies/performance.md).
-    query (b, H, T, d), key and value (b, Hkv, S, d), attention_mask (b, 1, T, S) -inf or 0."""
+    """The attention a CPU trains fastest with, registered under its name (common.autocast sets
+    it). In fp32, torch's fused kernel, each KV head serving its query heads inside it (no copy
+    of the keys per head, as transformers' sdpa makes): the three RL stages side by side ran
+    their updates 0.86-0.93x as with the eager one below (docs/studies/performance.md). In bf16,
+    transformers' eager attention laid out as the CPU runs it fastest: each KV head's g query
+    heads as g·T rows of one matmul, the mask added inside it, the softmax over the bf16 scores
+    (torch's CPU kernel sums in fp32), not over an fp32 copy each way; the fused kernel's bf16
+    backward took 4x as long. query (b, H, T, d), key and value (b, Hkv, S, d), attention_mask
+    (b, 1, T, S) -inf or 0 (bool in fp32, or None: causal alone)."""
+    if not torch.is_autocast_enabled("cpu"):
+        out = F.scaled_dot_product_attention(query, key, value, attention_mask, scale=scaling,
+                                             is_causal=attention_mask is None, enable_gqa=True)
+        return out.transpose(1, 2), None                                            # (b, T, H, d)
     b, H, T, d = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     q = query.reshape(b * Hkv, H // Hkv * T, d)                              # (b·Hkv, g·T, d)
-    mask = attention_mask.to(q.dtype) if not torch.is_autocast_enabled("cpu") else attention_mask
-    mask = mask[:, :, None].expand(b, Hkv, H // Hkv, T, S).reshape(b * Hkv, -1, S)  # one copy
+    mask = attention_mask[:, :, None].expand(b, Hkv, H // Hkv, T, S).reshape(b * Hkv, -1, S)
     scores = torch.baddbmm(mask, q, key.flatten(0, 1).transpose(1, 2), alpha=scaling)  # (b·Hkv, g·T, S)
     out = torch.bmm(scores.softmax(-1), value.flatten(0, 1)).view(b, H, T, d)
     return out.transpose(1, 2), None                                                # (b, T, H, d)
 
 
 def cpu_mask(*args, **kwargs):
-    """cpu_eager's mask, built once a forward for its layers: transformers' eager one in the dtype
-    its matmul runs in, under autocast bf16, whose min is then finite (fp32's rounds to -inf in
-    bf16, and a row all padding, a left-padded prompt's, to NaN)."""
-    bf16 = torch.is_autocast_enabled("cpu")
-    return eager_mask(*args, **{**kwargs, "dtype": torch.bfloat16 if bf16 else torch.float32})
+    """cpu_eager's mask, built once a forward for its layers. In fp32, transformers' sdpa one (None
+    where causal alone is the mask). Under autocast bf16, transformers' eager one in bf16, whose min
+    is then finite (fp32's rounds to -inf in bf16, and a row all padding, a left-padded prompt's,
+    to NaN)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return sdpa_mask(*args, **kwargs)
+    return eager_mask(*args, **{**kwargs, "dtype": torch.bfloat16})
 
 
 AttentionInterface.register("cpu_eager", cpu_eager)
