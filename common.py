@@ -597,15 +597,15 @@ def spans(lengths, max_rows, max_tokens=0):
 def autocast(device, *models):
     """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
     AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
-    (cpu_bf16(), measured by run_cpu.sh); else plain fp32. On a CPU the `models` run the grouped
-    eager attention (plumbing/models.py's cpu_eager): with the fused one a bf16 backward took 4x as
-    long, an fp32 RL update 1.1x. A model left out (OPD's teacher) stays fused, faster with no
-    backward (0.95 s against 1.7); a reference is listed, to equal the policy (a KL of exactly 0)."""
+    (cpu_bf16(), measured by run_cpu.sh); else plain fp32. On a CPU the `models` run
+    plumbing/models.py's cpu_attention: in bf16 grouped eager scores (torch's fused kernel's bf16
+    backward took 4x as long), in fp32 that kernel without transformers' copy of the keys per head.
+    OPD's teacher, left out, keeps transformers' own; a reference is listed, to equal the policy."""
     models = [m for m in models if m is not None] if device == "cpu" else []  # None: no ref
     before = [m.config._attn_implementation for m in models]
     try:
         for m in models:
-            m.set_attn_implementation("cpu_eager")
+            m.set_attn_implementation("cpu_attention")
         bf16 = device == "cuda" or (device == "cpu" and trains_in_bf16(device))
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             yield

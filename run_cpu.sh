@@ -93,7 +93,7 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # prompt's forward once for its group, the rollouts in forwards of 32 sorted by length (--forward_rows): the same loss, and
 # one GRPO-shaped update 0.81x the per-row forward's in bf16, 0.78x in fp32 capped at AVX2. Forwards of 32 where the RL
 # stages train in bf16 (path.env), 16 in fp32: the three stages side by side on two cores, bf16 ran no slower at 32, fp32
-# 0.93-0.97x at 16 (docs/studies/performance.md, "The shared forward inside autograd"). No --term_grads: each loss term's own gradient
+# 0.86-0.97x at 16 (docs/studies/performance.md, "The shared forward inside autograd"). No --term_grads: each loss term's own gradient
 # (grad/<term>, docs/studies/loss_terms.md) cost a backward per term on 5 steps of each stage, ~12 s each here
 RL_ROWS=$([[ ${COUNTDOWN_CPU_BF16:-} == 1 ]] && echo 32 || echo 16)
 RL=(--lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows $RL_ROWS --max_response_len $LEN --max_steps $RL_STEPS

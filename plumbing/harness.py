@@ -71,7 +71,7 @@ def load_policy(init, gradient_checkpointing=False, compile=False, lora_rank=0, 
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if device == "cpu":  # common.autocast's attention for good: the recompute must run the
-            model.set_attn_implementation("cpu_eager")  # forward's
+            model.set_attn_implementation("cpu_attention")  # forward's
     if lora_rank > 0:
         try:
             from peft import LoraConfig, get_peft_model

@@ -142,16 +142,17 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     return model, tokenizer
 
 
-def cpu_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def cpu_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The attention a CPU trains fastest with, registered under its name (common.autocast sets
-    it). In fp32, torch's fused kernel, each KV head serving its query heads inside it (no copy
-    of the keys per head, as transformers' sdpa makes): the three RL stages side by side ran
-    their updates 0.86-0.93x as with the eager one below (docs/studies/performance.md). In bf16,
-    transformers' eager attention laid out as the CPU runs it fastest: each KV head's g query
-    heads as g·T rows of one matmul, the mask added inside it, the softmax over the bf16 scores
-    (torch's CPU kernel sums in fp32), not over an fp32 copy each way; the fused kernel's bf16
-    backward took 4x as long. query (b, H, T, d), key and value (b, Hkv, S, d), attention_mask
-    (b, 1, T, S) -inf or 0 (bool in fp32, or None: causal alone)."""
+    it). In fp32, torch's fused kernel, each KV head serving its query heads inside it (no copy of
+    the keys per head, as transformers' sdpa makes): three GRPO-shaped updates side by side on two
+    cores took 0.90-0.96x as long as with the eager scores below, the old hand-written shared
+    forward's time (docs/studies/performance.md). In bf16, transformers' eager attention laid out
+    as the CPU runs it fastest: each KV head's g query heads as g·T rows of one matmul, the mask
+    added inside it, the softmax over the bf16 scores (torch's CPU kernel sums in fp32), not over
+    an fp32 copy each way; the fused kernel's bf16 backward took 4x as long. query (b, H, T, d),
+    key and value (b, Hkv, S, d), attention_mask (b, 1, T, S): bool in fp32 (None: causal
+    alone), -inf or 0 in bf16."""
     if not torch.is_autocast_enabled("cpu"):
         out = F.scaled_dot_product_attention(query, key, value, attention_mask, scale=scaling,
                                              is_causal=attention_mask is None, enable_gqa=True)
@@ -166,7 +167,7 @@ def cpu_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, *
 
 
 def cpu_mask(*args, **kwargs):
-    """cpu_eager's mask, built once a forward for its layers. In fp32, transformers' sdpa one (None
+    """cpu_attention's mask, built once a forward for its layers. In fp32, transformers' sdpa one (None
     where causal alone is the mask). Under autocast bf16, transformers' eager one in bf16, whose min
     is then finite (fp32's rounds to -inf in bf16, and a row all padding, a left-padded prompt's,
     to NaN)."""
@@ -175,8 +176,8 @@ def cpu_mask(*args, **kwargs):
     return eager_mask(*args, **{**kwargs, "dtype": torch.bfloat16})
 
 
-AttentionInterface.register("cpu_eager", cpu_eager)
-AttentionMaskInterface.register("cpu_eager", cpu_mask)
+AttentionInterface.register("cpu_attention", cpu_attention)
+AttentionMaskInterface.register("cpu_attention", cpu_mask)
 
 
 def frozen_dtype(device):

@@ -136,7 +136,7 @@ def tiny():
 
 @pytest.mark.parametrize("bf16", [True, False])
 def test_the_cpu_attention_is_transformers_eager_one(bf16):
-    """plumbing/models.py's cpu_eager (a KV head's query heads as rows of one matmul; in bf16 the
+    """plumbing/models.py's cpu_attention (a KV head's query heads as rows of one matmul; in bf16 the
     softmax over bf16 scores) against transformers' eager attention under the same autocast, or none
     (fp32), rows left-padded (a row all padding must not turn NaN): the same hidden states within
     bf16 rounding, or fp32's. Broken on purpose (the KV heads swapped; the mask's -inf from fp32's
@@ -147,13 +147,13 @@ def test_the_cpu_attention_is_transformers_eager_one(bf16):
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     out = {}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        for impl in ("eager", "cpu_eager"):
+        for impl in ("eager", "cpu_attention"):
             model.set_attn_implementation(impl)
             out[impl] = model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos
                                             ).last_hidden_state.float()
-    assert torch.isfinite(out["cpu_eager"]).all()
+    assert torch.isfinite(out["cpu_attention"]).all()
     real = attn.bool()
-    diff = (out["eager"] - out["cpu_eager"])[real].abs().max()
+    diff = (out["eager"] - out["cpu_attention"])[real].abs().max()
     assert diff < (0.05 if bf16 else 1e-5) * out["eager"][real].abs().max(), diff
 
 
@@ -168,7 +168,7 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     fp32 = LP.token_stats(model, ids, attn, mask)["logp"]
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "1")
     with LP.autocast("cpu", model, None):
-        assert model.config._attn_implementation == "cpu_eager"
+        assert model.config._attn_implementation == "cpu_attention"
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
         bf16 = LP.token_stats(model, ids, attn, mask)["logp"]
     assert model.config._attn_implementation == "sdpa" and not torch.is_autocast_enabled("cpu")
@@ -178,7 +178,7 @@ def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
     assert model.config._attn_implementation == "sdpa"
     monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")
     with LP.autocast("cpu", model):  # fp32: the same attention, not autocast
-        assert model.config._attn_implementation == "cpu_eager" and not torch.is_autocast_enabled("cpu")
+        assert model.config._attn_implementation == "cpu_attention" and not torch.is_autocast_enabled("cpu")
         assert torch.allclose(LP.token_stats(model, ids, attn, mask)["logp"], fp32, atol=1e-5)
     assert model.config._attn_implementation == "sdpa"
 
