@@ -90,7 +90,7 @@ COMMON=(--data "$DATA" --eval_data "$DATA" --template compact --eval_problems 10
 # 75 steps at lr 6.7e-5, the lr x steps of 100 at 5e-5 (chosen on val over 50, issue 44): from two SFT models the same val
 # and test numbers as 100 steps at 5e-5, a quarter less RL work (issue 61; 75 steps at 5e-5 cost GRPO 0.03 of its val
 # lift over five runs: docs/studies/performance.md, "Fewer RL steps at a higher lr"). A backward every 16 groups (128 rollouts), each
-# prompt's forward once for its group, the rollouts in forwards of 32 sorted by length (--forward_rows): the same loss, and
+# prompt's forward once for its group, the rollouts in forwards sorted by length (--forward_rows): the same loss, and
 # one GRPO-shaped update 0.81x the per-row forward's in bf16, 0.78x in fp32 capped at AVX2. Forwards of 32 where the RL
 # stages train in bf16 (path.env), 16 in fp32: the three stages side by side on two cores, bf16 ran no slower at 32, fp32
 # 0.86-0.97x at 16 (docs/studies/performance.md, "The shared forward inside autograd"). No --term_grads: each loss term's own gradient

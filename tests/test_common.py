@@ -136,11 +136,12 @@ def tiny():
 
 @pytest.mark.parametrize("bf16", [True, False])
 def test_the_cpu_attention_is_transformers_eager_one(bf16):
-    """plumbing/models.py's cpu_attention (a KV head's query heads as rows of one matmul; in bf16 the
-    softmax over bf16 scores) against transformers' eager attention under the same autocast, or none
-    (fp32), rows left-padded (a row all padding must not turn NaN): the same hidden states within
-    bf16 rounding, or fp32's. Broken on purpose (the KV heads swapped; the mask's -inf from fp32's
-    min in bf16; the mask left out in fp32), it failed."""
+    """plumbing/models.py's cpu_attention (in bf16 a KV head's query heads as rows of one matmul, the
+    softmax over bf16 scores; in fp32 torch's fused kernel with grouped-query heads) against
+    transformers' eager attention under the same autocast, or none (fp32), rows left-padded (a row
+    all padding must not turn NaN): the same hidden states within bf16 rounding, or fp32's. Broken on
+    purpose (the KV heads swapped; the mask's -inf from fp32's min in bf16; the mask left out in
+    fp32), it failed. The causal-alone fp32 path (is_causal) is held by the autocast test below."""
     model = qwen_like(64).eval()
     ids = torch.randint(0, 64, (3, 12))
     attn = (torch.arange(12)[None] >= torch.tensor([0, 3, 7])[:, None]).long()  # left padding
@@ -158,9 +159,10 @@ def test_the_cpu_attention_is_transformers_eager_one(bf16):
 
 
 def test_autocast_bf16_on_cpu_switches_attention_and_restores_it(monkeypatch):
-    """CPU bf16 (cpu_bf16()): bf16 compute with eager attention inside, the model as it was after,
+    """CPU bf16 (cpu_bf16()): bf16 compute with cpu_attention inside, the model as it was after,
     even after an error; values within bf16 rounding of fp32. COUNTDOWN_CPU_BF16=0: fp32, the same
-    attention."""
+    attention, causal alone (is_causal), equal to transformers' sdpa's; with is_causal False it
+    failed."""
     model = qwen_like(64).train()
     model.set_attn_implementation("sdpa")
     ids = torch.randint(0, 64, (3, 12))
