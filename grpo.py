@@ -95,7 +95,7 @@ class Args(RLArgs):
                               "min(π_old/π_sampler, C), for a bf16 engine (TRL: 3, verl: 2; 0: "
                               "off)")
 
-    # the reward and the curriculum (plumbing/tasks.py), as in rloo.py
+    # the reward and the curriculum (common.py), as in rloo.py
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
                                 "near misses (001)")
     wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "

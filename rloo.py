@@ -11,7 +11,7 @@ Departures from the paper:
      times the differentiable ratio π_θ/μ: on μ's tokens its gradient is KL(π_θ‖μ)'s (--no-kl_ratio:
      plain k3). With the HF sampler μ *is* the policy, so w = 1 and the term is ~0; it acts with
      vLLM's snapshot or a slower sync. --mu trainer takes μ from the trainer's own forward instead
-     (w = 1, KL 0): a bf16 engine's rounding then moves nothing (README, the vLLM sampler).
+     (w = 1, KL 0): a bf16 engine's rounding then moves nothing (docs/vllm.md).
   2. The entropy and KL are token means, Eq. 3 a sum over ~100 tokens: λ_H's term pulled 3e-5 as
      hard (grad/<term>; docs/studies/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
   3. Embedded setting: generated tasks, a tiny model, 32 prompts x 8, lr 6.7e-5, 75 steps, and a
@@ -60,7 +60,7 @@ class Args(RLArgs):
                                       "1: Eq. 3)")
     mu: str = arg("sampler", "μ of w and the KL: sampler (its log-probs, Eq. 3) | trainer (this "
                              "forward's, detached: w = 1, a bf16 engine's rounding left out)")
-    # the reward and the curriculum (plumbing/tasks.py), as in grpo.py
+    # the reward and the curriculum (common.py), as in grpo.py
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
                                 "near misses (001)")
     wrong_reward: float = arg(0.1, "sparse reward of a wrong answer (000: 0.1); 0 or below when "

@@ -85,7 +85,7 @@ class Args(TrainArgs):
     rebuild_prompts: bool = arg(False, "a dataset's queries rebuilt in --template from the numbers "
                                        "and target each names (else one that differs is an error)")
     compile: bool = arg(False, "torch.compile the training forward (dynamic shapes): a first "
-                               "compile of ~2 min, ~20 s from inductor's cache; then steps 1.3x "
+                               "compile of ~2 min, ~20 s from inductor's cache; then steps 1.25x "
                                "faster here (docs/studies/performance.md). SFT only: the RL scripts' "
                                "per-term gradients need a backward that keeps the graph, where "
                                "the compiled one failed or disagreed with eager")

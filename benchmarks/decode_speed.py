@@ -1,6 +1,6 @@
 """The HF sampler's decode loops side by side: common.py's plain loop over transformers' cache and
 plumbing/fast_decode.py's twin, tokens/s of one generate call each, alternating A/B/A/B so that background
-load hits both alike; the tokens must be the same. (docs/studies/reader_path.md)
+load hits both alike; the tokens must be the same. (docs/one_step.md)
 
     python benchmarks/decode_speed.py [--init out/cpu/sft] [--decodes plain,dynamic] [--rounds 2]
 Shapes: the RL scripts' (64 prompts x 8, T 0.7) and evaluate.py's (200 x 16, T 0.6, top-p 0.95,

@@ -457,7 +457,8 @@ def sampler_stage(tok, cfg, device, tasks_path, rows_list, new, eager_new, t_sta
     its launches per decode step. A line per run (sampler/run) and check (sampler/check) as each
     ends; none starts after `budget_s`. Returns the stage's summary."""
     import common as S
-    from common import autocast, logprob_gap
+    from common import autocast
+    from benchmarks.vllm_check import logprob_gap
     from plumbing.tasks import make_prompt
     with open(tasks_path) as f:
         tasks = [json.loads(x) for x in f]

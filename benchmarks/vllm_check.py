@@ -20,6 +20,18 @@ import common as S  # noqa: E402
 from verifier import score  # noqa: E402
 
 
+@torch.no_grad()
+def logprob_gap(model, tokenizer, samples, temperature):
+    """Mean |trainer − sampler| log-prob over every sampled token of `samples`, in one pass: what
+    the RL scripts log as train/sampler_gap, for checking a sampler here and in tests/test_vllm.py,
+    benchmarks/gpu_smoke.py."""
+    rows = list(range(len(samples.completion_ids)))
+    ids, attn, mask, sampler_logp = (x.to(model.device) for x in
+                                     LP.rollout_batch(samples, rows, tokenizer.pad_token_id)[:4])
+    logp = LP.token_stats(model, ids, attn, mask, temperature=temperature)["logp"]  # (b, T-1)
+    return (logp - sampler_logp).abs()[mask[:, 1:].bool()].mean().item()
+
+
 def run(name, sampler, model, tok, tasks, args):
     prompts = [D.make_prompt(t["nums"], t["target"], "compact") for t in tasks]
     sampler.generate(prompts[:4], 2, args.temperature, max_new_tokens=16, seed=0)  # warm-up
@@ -29,7 +41,7 @@ def run(name, sampler, model, tok, tasks, args):
     tokens = sum(map(len, ro.completion_ids))
     rows = [t for t in tasks for _ in range(args.n)]
     acc = sum(score(x, t["nums"], t["target"]) == 1 for x, t in zip(ro.texts, rows)) / len(rows)
-    gap = LP.logprob_gap(model, tok, ro, args.temperature)
+    gap = logprob_gap(model, tok, ro, args.temperature)
     print(f"{name:5s} {len(ro.texts)} rollouts, {tokens} tokens in {dt:.1f} s = {tokens / dt:,.0f} tokens/s | "
           f"accuracy {acc:.3f} | log-prob gap to the trainer {gap:.1e}")
     return prompts
@@ -58,7 +70,7 @@ def main():
         if when == "after":
             engine.sync(moved)
         ro = engine.generate(prompts, args.n, args.temperature, max_new_tokens=args.max_new_tokens, seed=2)
-        print(f"perturbed trainer, {when} sync: gap {LP.logprob_gap(moved, tok, ro, args.temperature):.1e}")
+        print(f"perturbed trainer, {when} sync: gap {logprob_gap(moved, tok, ro, args.temperature):.1e}")
 
 
 if __name__ == "__main__":

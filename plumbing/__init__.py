@@ -5,12 +5,16 @@ verifier.py, evaluate.py); this package imports nothing from it but verifier.py.
   harness.py       the run around a loop: output dir, policy and frozen models, data order,
                    the non-finite stop, evaluation schedule, checkpoints and exact resume, the log
   checkpoints.py   HF checkpoints and resumable states, written atomically
-  models.py        models and tokenizers (hub, dir or the embedded tiny one), training precision
+  models.py        models and tokenizers (hub, dir or the embedded tiny one), training precision,
+                   the CPU attention common.autocast swaps in
   machine.py       which training precision is the faster on this machine, measured (run_cpu.sh)
-  tasks.py         Countdown tasks, prompt templates, SFT/IPO data, RLT's formats, the curriculum
+  tasks.py         Countdown tasks, prompt templates, SFT/IPO data, RLT's formats, the probe's record
   traces.py        the solver's search traces, their strategies and the mistakes LLM traces make
   explanations.py  RLT's explanations: which problems, the reward's balance, their export
   fast_decode.py   the HF sampler's fast twin (and its CUDA graph), equal to common.py's loop
+  shared_prompts.py  the RL forward's fast path: each prompt once for its group, inside autograd
+  vllm_engine.py   the vLLM engine behind common.VLLMSampler: its options, sleep, wake, weight reload
+  distributed.py   torchrun: DDP or FSDP2 around the forward, each rank's share, keyed draws
   report.py        tables and plots (evaluate.py --run / --plot / --compare)
   pipeline.py      run_cpu.sh's scheduler of stages side by side
 """

@@ -26,6 +26,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from plumbing.flags import CountdownError
+
 _WRAPPED = weakref.WeakKeyDictionary()  # policy -> its DDP/FSDP wrapper (common.decoder_states)
 
 
@@ -68,10 +70,13 @@ class _Forward(torch.nn.Module):
         return self.run(self.model, *args)
 
 
-def wrap(model, forward, fsdp=False):
+def wrap(model, forward, fsdp=False, batch_size=None):
     """Under torchrun, DDP (or FSDP2: each decoder layer, then the rest, sharded over the ranks)
     around `forward(model, ...)`; wrapper(model) finds it, and the model's attributes and
-    checkpoints are unchanged. DDP starts every rank from rank 0's weights. Returns N."""
+    checkpoints are unchanged. DDP starts every rank from rank 0's weights. `batch_size`: the
+    step's, which must split over the ranks. Returns N."""
+    if batch_size is not None and batch_size % world():
+        raise CountdownError(f"--batch_size {batch_size} does not split over {world()} ranks")
     if not dist.is_initialized():
         return 1
     inner = _Forward(model, forward)

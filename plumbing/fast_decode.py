@@ -11,9 +11,47 @@ file imports nothing from the top level:
            token: a step is ~1,300 small kernels, launched one by one the card sat idle. The same
            tokens and log-probs as `static` for the same seed.
 Qwen2 and Llama only (_decoder_parts says so for others: use decode='plain')."""
+import functools
+
 import torch
 
 from plumbing.flags import CountdownError
+
+
+def decode_mode(dev, decode=None):
+    """`decode`, else the faster loop on device `dev`: on a GPU a step is launch-bound (dropping
+    rows saves nothing, a graph replay saves the launches)."""
+    mode = decode or ("graph" if dev.type == "cuda" else "dynamic")
+    if mode == "graph" and (dev.type != "cuda"
+                            or not hasattr(torch.cuda.CUDAGraph, "register_generator_state")):
+        raise CountdownError(f"decode='graph' needs a CUDA model and a torch whose CUDA graphs "
+                             f"take a generator (2.4+), not {dev.type} with torch "
+                             f"{torch.__version__}: use decode='static'")
+    return mode
+
+
+def rows_per_batch(model, batch_size, kv_budget, slots):
+    """batch_size, or fewer where their KV cache of `slots` positions a row (keys and values of
+    every layer, 2 bytes a value in bf16) would pass kv_budget bytes (None: a quarter of a GPU, no
+    bound on a CPU), half of which is left for the copy that dropping finished rows makes. A 7B
+    model's 1,024 rows of 1,300 positions are 68 GB."""
+    if kv_budget is None and model.device.type == "cuda":
+        kv_budget = torch.cuda.get_device_properties(model.device).total_memory / 4
+    if not kv_budget:
+        return batch_size
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    row = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * slots * 2
+    return max(1, min(batch_size, int(kv_budget / 2 // row)))
+
+
+def batch_loop(mode, model, eos, pick):
+    """The fast twin's loop for `mode` (dynamic | static | graph), as common.HFSampler calls its
+    plain _batch: (rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,
+    bottom_p_freq) -> each row's (tokens, log-probs, finished)."""
+    fast = dynamic_batch if mode == "dynamic" else functools.partial(static_batch,
+                                                                     graph=mode == "graph")
+    return functools.partial(fast, model, eos, pick)
 
 
 def dynamic_batch(model, eos, pick, rows, temperature, top_p, top_k, max_new_tokens, gen, bottom_p,

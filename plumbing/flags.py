@@ -112,8 +112,8 @@ class RLArgs(TrainArgs):
     term_grads: bool = arg(False, "on the first step and every evaluating one, also back-propagate "
                                   "each loss term alone (grad/<term>: each knob's pull, "
                                   "docs/studies/loss_terms.md). Costs a backward a term and the "
-                                  "graph kept for them: a walkthrough RLOO step peaked at 60 GB on an H100 "
-                                  "with it, 36 without (docs/gpu.md)")
+                                  "graph kept for them: a walkthrough RLOO step peaked at 60.4 GB with it "
+                                  "against an estimate of 34.9, 26.85 GB without (docs/gpu.md)")
 
     prompt_forward: str = arg("auto", "the update's forward: shared (micro-batches of whole "
                                       "groups, each prompt's forward once for its G rollouts, "

@@ -110,9 +110,9 @@ def frozen_copy(model):
 
 def compile_pays(device):
     """--compile where it is measured faster and can build: on a GPU, and on a CPU with AVX512,
-    where SFT's step ran 1.3x faster in bf16 and 1.22x in fp32 (0.74 s against 0.90,
-    docs/studies/performance.md); not on an AVX2 CPU, where the compiled step was slower (1.45-1.94 s
-    against 1.07 s eager: issue 44's machine), nor on others, not measured. On a CPU, inductor
+    where SFT's step ran 1.25x faster (0.473 s against 0.591, docs/studies/performance.md, though
+    its compile costs more than that saves over the pipeline's SFT); not on an AVX2 CPU, where the
+    compiled step was slower, nor on others, not measured. On a CPU, inductor
     needs a C++ compiler with OpenMP and Python's headers (absent on a bare Ubuntu/WSL, or macOS
     without libomp): a small kernel is compiled first, and where it fails the run goes on eager
     with one line saying why, not a traceback at its first step."""

@@ -1,7 +1,9 @@
-"""Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (a few M
+"""Models and tokenizers: a hub name, a checkpoint dir, or `tiny`, the embedded Qwen2 (0.84M
 parameters) and its byte-level BPE tokenizer trained on the task's own text; and the precision a
 training forward computes in on this device."""
+import contextlib
 import functools
+import inspect
 import json
 import os
 import random
@@ -140,6 +142,41 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
         # Qwen base: pad == eos, so masks come from lengths
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def cache_name(model):
+    """The KV cache's argument and output name: `cache` since transformers 5.x renamed
+    `past_key_values` (gone in 5.40)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: kwargs
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else \
+        "past_key_values"
+
+
+def causal_only(attention_mask):
+    """None where every row is right-padded (ones, then zeros), as common.pack() builds them: a
+    causal model's real tokens then attend only to earlier positions, all real, and the padding's
+    outputs are never read, so the causal mask alone gives the same values, and the attention
+    builds no (B, 1, T, T) padding mask (one SFT step 0.52 s instead of 0.61). Left padding (RLT's
+    teacher contexts) keeps its mask."""
+    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+    return None if right_padded else attention_mask
+
+
+@contextlib.contextmanager
+def cpu_attention_on(device, models):
+    """common.autocast's attention: on a CPU the `models` (None left out) run cpu_attention below,
+    in bf16 grouped eager scores (torch's fused kernel's bf16 backward took 4x as long), in fp32
+    that kernel without transformers' copy of the keys per head; each model's own after. OPD's
+    teacher, left out, keeps transformers' own; a reference is listed, to equal the policy."""
+    models = [m for m in models if m is not None] if device == "cpu" else []
+    before = [m.config._attn_implementation for m in models]
+    try:
+        for m in models:
+            m.set_attn_implementation("cpu_attention")
+        yield
+    finally:
+        for m, impl in zip(models, before):
+            m.set_attn_implementation(impl)
 
 
 def cpu_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

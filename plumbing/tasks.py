@@ -1,7 +1,7 @@
 """What every script trains and evaluates on: Countdown tasks (the generator's splits, JSONL files
 and hub datasets, with a one-line error naming the embedded alternative when the hub cannot be
 reached), the prompt templates, sft.py's examples (RLT's teacher and student formats among them),
-ipo.py's solver pairs, and the RL scripts' curriculum."""
+ipo.py's solver pairs, and the probe's record of solve rates (common.probe)."""
 import contextlib
 import hashlib
 import inspect

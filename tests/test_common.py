@@ -15,6 +15,7 @@ import common as S
 from plumbing import traces as TR
 import verifier as V
 from plumbing.checkpoints import save_checkpoint
+from benchmarks.vllm_check import logprob_gap
 
 
 def qwen_like(vocab, seed=0, hidden=32):
@@ -250,7 +251,7 @@ def test_sampler_logprobs_match_trainer_logprobs(tiny):
     with torch.no_grad():
         logp = LP.token_stats(model, ids, attn, mask)["logp"]
     assert (logp - sampler_lp).abs().max() < 1e-4 and (sampler_lp != 0).sum() == sum(map(len, ro.logprobs))
-    assert LP.logprob_gap(model, tok, ro, 1.0) == pytest.approx((logp - sampler_lp)[mask[:, 1:].bool()].abs().mean().item())
+    assert logprob_gap(model, tok, ro, 1.0) == pytest.approx((logp - sampler_lp)[mask[:, 1:].bool()].abs().mean().item())
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])

@@ -17,6 +17,7 @@ from plumbing import tasks as D
 from plumbing import models as M
 import common as S
 import common as LP
+from benchmarks.vllm_check import logprob_gap
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed: the lane's venv is in README, Tests")
@@ -49,7 +50,7 @@ def test_sampled_logprobs_equal_an_hf_forward_at_the_sampling_temperature(tiny, 
     engine.sync(model)
     ro = engine.generate(PROMPTS, n=8, temperature=temperature, max_new_tokens=48, seed=2)
     assert sum(map(len, ro.completion_ids)) > 300
-    assert LP.logprob_gap(model, tok, ro, temperature) <= 1e-4
+    assert logprob_gap(model, tok, ro, temperature) <= 1e-4
 
 
 def test_sync_moves_the_trainers_weights_into_the_engine(tiny):
@@ -61,10 +62,10 @@ def test_sync_moves_the_trainers_weights_into_the_engine(tiny):
         for p in moved.parameters():
             p.add_(0.05 * torch.randn_like(p))
     ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
-    before = LP.logprob_gap(moved, tok, ro, 1.0)
+    before = logprob_gap(moved, tok, ro, 1.0)
     engine.sync(moved)
     ro = engine.generate(PROMPTS, n=8, max_new_tokens=32, seed=3)
-    after = LP.logprob_gap(moved, tok, ro, 1.0)
+    after = logprob_gap(moved, tok, ro, 1.0)
     engine.sync(model)  # the module's engine back to the checkpoint for the other tests
     assert before > 1e-2 and after <= 1e-4, (before, after)
 
