@@ -3,8 +3,8 @@ directory that holds the first command's out/cpu, timed, their output to out/ex/
 numbers the instructor's key quotes are what this printed; tests/test_docs.py runs the same commands
 for 2 steps each.
 
-  python benchmarks/exercises.py              # every exercise, one after another
-  python benchmarks/exercises.py 1 4          # exercises 1 and 4
+  python course/exercises.py              # every exercise, one after another
+  python course/exercises.py 1 4          # exercises 1 and 4
 """
 import os
 import re

@@ -1,26 +1,26 @@
-"""The instructor's grading command (docs/instructor.md): a class's archives from
-benchmarks/submit.py in, one grade each out, trusting nothing a student sends.
+"""The instructor's grading command (course/instructor.md): a class's archives from
+course/submit.py in, one grade each out, trusting nothing a student sends.
 
-  python benchmarks/grade.py ARCHIVE... [--parts PART...] [--out grades]     # parts as handout.py's
-  python benchmarks/grade.py --autograder autograder.zip --parts verifier sft rloo   # for Gradescope
+  python course/grade.py ARCHIVE... [--parts PART...] [--out grades]     # parts as handout.py's
+  python course/grade.py --autograder autograder.zip --parts verifier sft rloo   # for Gradescope
 
 Per archive, in a process of its own:
   1. Only the bodies of the graded functions of the given parts are taken from the student's files,
      into a clean copy of this repo (signatures, docstrings and every other line are ours). Nothing
      else in the archive runs or counts: not its tests, its grades.json, its summary.json.
   2. Each function meets tests/test_graded.py's visible check (its return contract first: every
-     key, shape and dtype the scripts read) and the hidden cases of tests/hidden_cases.py, held to
+     key, shape and dtype the scripts read) and the hidden cases of course/hidden_cases.py, held to
      what the reference functions here return on them, values and gradients; each under a time
      limit (--limit seconds): a hang costs that function, and the batch goes on.
   3. Each handed-out stage runs for 2 steps on the tiny model with the student's functions that
      passed; a crash is the failure of the graded function it happened in, or, outside one, of
      the one that returned last (what it returned is what the script could not use).
   4. Each stage's run is re-scored from its packed test samples with this repo's verifier: the
-     test split's problems, 16 samples each, pass@1 against docs/assignment.md's target. A
+     test split's problems, 16 samples each, pass@1 against course/assignment.md's target. A
      summary.json that disagrees with its samples is flagged, not believed.
 Writes OUT/grades.csv (a row per archive) and OUT/<submission>.txt (the feedback a student gets),
 or, with --gradescope DIR, Gradescope's results.json. The student's code runs as the user running
-this: grade an untrusted class in a container (docs/instructor.md).
+this: grade an untrusted class in a container (course/instructor.md).
 """
 import argparse
 import concurrent.futures
@@ -40,14 +40,14 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from benchmarks.handout import PARTS, function_node, graded  # noqa: E402
-from benchmarks.submit import FILES, POINTS, TWIN_OF  # noqa: E402
+from course.handout import INSTRUCTOR, PARTS, function_node, graded  # noqa: E402
+from course.submit import FILES, POINTS, TWIN_OF  # noqa: E402
 
-# part -> (the pipeline stage whose test evaluation is graded, its points: docs/assignment.md)
+# part -> (the pipeline stage whose test evaluation is graded, its points: course/assignment.md)
 RUNS = {"sft": ("sft", 4), "rloo": ("rloo", 4), "grpo": ("grpo", 3), "ipo": ("ipo", 2), "opd": ("opd", 2)}
 TEST_DATA, NUM_SAMPLES = "gen:nums=3,range=1-20,test=200,val=100", 16  # run_cpu.sh's evaluation
 STAGE_LIMIT = 180  # seconds a stage's 2-step run may take (they take 7-20 s on 2 cores)
-MARGIN = 0.10  # rloo and grpo: at least this much pass@1 over the student's own sft (docs/assignment.md)
+MARGIN = 0.10  # rloo and grpo: at least this much pass@1 over the student's own sft (course/assignment.md)
 # the 2-step run of each part's stages: the tests' tiny settings, the shipped models
 GEN = "gen:nums=3,range=1-9,test=20,val=8"
 SMALL = ["--data", GEN, "--eval_data", GEN, "--template", "compact", "--eval_problems", "2", "--eval_samples", "2",
@@ -99,7 +99,7 @@ def members(archive):
                     out[name] = tar.extractfile(m).read().decode("utf-8", "replace")
             return out
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise Bad(f"not a readable .tar.gz ({type(e).__name__}: {e}): make it with benchmarks/submit.py") from None
+        raise Bad(f"not a readable .tar.gz ({type(e).__name__}: {e}): make it with course/submit.py") from None
 
 
 def splice(ours, theirs, name):
@@ -182,7 +182,7 @@ def expected(functions, seed, path):
     import importlib
 
     import torch
-    from hidden_cases import cases
+    from course.hidden_cases import cases
     out = {}
     for q in functions:
         module, _, name = q.rpartition(".")
@@ -387,7 +387,7 @@ def stage(script, blame, argv, limit, out_path):
 
 # ---- 4. the runs, re-scored from their samples ------------------------------------------------------
 def targets():
-    """docs/assignment.md's targets, from every run in docs/fresh_runs.json: each stage's test
+    """course/assignment.md's targets, from every run in docs/fresh_runs.json: each stage's test
     pass@1 range over the runs widened by 0.03 (about one run's 95 % interval at 200 x 16) and
     rounded outward to 0.01. -> {stage: (low, high)}"""
     import math
@@ -531,7 +531,7 @@ def grade_one(archive, parts, cases_path, limit):
 
 def run_here(copy, args, env, timeout):
     """This file's worker or stage runner in the copy, killed (with its children) at `timeout`."""
-    proc = subprocess.Popen([sys.executable, os.path.join(copy, "benchmarks", "grade.py"), *args], cwd=copy, env=env,
+    proc = subprocess.Popen([sys.executable, os.path.join(copy, "course", "grade.py"), *args], cwd=copy, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         proc.wait(timeout=timeout)
@@ -596,7 +596,7 @@ def autograder(path, parts):
     included: Gradescope keeps it from students) in countdown/, the parts in parts.txt."""
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for f in ("setup.sh", "run_autograder"):
-            z.write(os.path.join(ROOT, "benchmarks", "gradescope", f), f)
+            z.write(os.path.join(ROOT, "course", "gradescope", f), f)
         z.writestr("parts.txt", " ".join(parts) + "\n")
         for f in repo_files():
             z.write(os.path.join(ROOT, f), f"countdown/{f}")
@@ -624,14 +624,15 @@ def main():
         sys.exit(f"error: no part {bad[0]!r}: the parts are {' '.join(PARTS)}")
     if a.autograder:
         autograder(a.autograder, a.parts)
-        return print(f"wrote {a.autograder}: upload it as the assignment's autograder (docs/instructor.md)")
-    if not os.path.isfile(os.path.join(ROOT, "tests", "hidden_cases.py")):
-        sys.exit("error: this is a handout (no tests/hidden_cases.py): grade from the instructor's repo")
+        return print(f"wrote {a.autograder}: upload it as the assignment's autograder (course/instructor.md)")
+    missing = [f for f in INSTRUCTOR if not os.path.isfile(os.path.join(ROOT, f))]
+    if missing:
+        sys.exit(f"error: this is a handout (no {', '.join(missing)}): grade from the instructor's repo")
     archives = a.archives
     if a.gradescope:
         archives = [pack_dir(a.gradescope)]
     if not archives:
-        sys.exit("error: name the archives to grade (python benchmarks/grade.py submissions/*.tar.gz)")
+        sys.exit("error: name the archives to grade (python course/grade.py submissions/*.tar.gz)")
     os.makedirs(a.out, exist_ok=True)
     cases_path = os.path.join(a.out, ".hidden_cases.pt")
     expected(graded(a.parts), a.seed, cases_path)

@@ -1,11 +1,11 @@
 """A course's handout: a copy of this repo (its git-tracked files, the instructor's side left out:
 INSTRUCTOR) in which the graded functions of the parts asked for keep their signature and docstring
 and lose their body, for students to write. tests/test_graded.py checks each on the visible cases;
-docs/assignment.md is the students' page, docs/instructor.md the key that stays with the instructor,
-benchmarks/grade.py the grading on the instructor's side.
+course/assignment.md is the students' page, course/instructor.md the key that stays with the instructor,
+course/grade.py the grading on the instructor's side.
 
-  python benchmarks/handout.py ../handout                 # every part
-  python benchmarks/handout.py ../handout rloo grpo       # some parts (or module.function names)
+  python course/handout.py ../handout                 # every part
+  python course/handout.py ../handout rloo grpo       # some parts (or module.function names)
   cd ../handout && python -m pytest tests/test_graded.py -n 0    # fails, naming each blank
 
 Where a blanked body has a twin in another file (a copy, or a function that contains its lines),
@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the assignment's parts (docs/assignment.md): the functions a student writes in each
+# the assignment's parts (course/assignment.md): the functions a student writes in each
 PARTS = {
     "verifier": ["verifier.score", "verifier.dense_score"],
     "sft": ["sft.sft_loss"],
@@ -40,11 +40,12 @@ TWINS = {
     "grpo.grpo_advantages": ["rlt.grpo_advantages"],  # RLT's update is GRPO's (004 Eq. 6)
     "grpo.grpo_loss": ["rlt.rlt_loss"],
 }
-# the instructor's side, left out of a handout: the key (the measured answers, the rubric), the graders'
-# own tests (with the mistakes they are graded against, which quote the reference code), the hidden
-# cases, and the tools that make handouts and grade them
-INSTRUCTOR = ["docs/instructor.md", "tests/test_graders.py", "tests/hidden_cases.py", "benchmarks/handout.py",
-              "benchmarks/grade.py", "benchmarks/gradescope/setup.sh", "benchmarks/gradescope/run_autograder"]
+# the instructor's side, the one list of it: what a handout leaves out, what grade.py needs to grade
+# (it refuses where one is missing: a handout), what no test of the students' copy may name. The key
+# (the measured answers, the rubric), the graders' own tests (with the mistakes they are graded against,
+# which quote the reference code), the hidden cases, and the tools that make handouts and grade them
+INSTRUCTOR = ["course/instructor.md", "tests/test_graders.py", "course/hidden_cases.py", "course/handout.py",
+              "course/grade.py", "course/gradescope/setup.sh", "course/gradescope/run_autograder"]
 LINK = re.compile(r"\[([^\]\n]*)\]\(([^)\s#]+)(#[^)\s]*)?\)")
 
 
@@ -109,7 +110,7 @@ def unlinked(text, page):
 
 
 def make(out, asked):
-    """Write the handout of `asked` to `out` (and handout.json in its docs/: the parts and graded
+    """Write the handout of `asked` to `out` (and handout.json in its course/: the parts and graded
     functions, which submit.py reads); returns the qualified functions blanked."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
@@ -125,7 +126,7 @@ def make(out, asked):
                 fh.write(unlinked(text, f))
     names = to_blank(asked)
     parts = [p for p in PARTS if p in asked or any(q in PARTS[p] for q in asked)]
-    with open(os.path.join(out, "docs", "handout.json"), "w") as fh:
+    with open(os.path.join(out, "course", "handout.json"), "w") as fh:
         json.dump({"parts": parts, "blanked": names, "graded": graded(parts)}, fh, indent=1)
     for qualified in names:
         module, _, name = qualified.rpartition(".")
@@ -149,4 +150,4 @@ if __name__ == "__main__":
     blanked = make(sys.argv[1], sys.argv[2:] or list(PARTS))
     print(f"blanked {len(blanked)} functions: {', '.join(blanked)}")
     print(f"wrote {sys.argv[1]}: students check with `python -m pytest tests/test_graded.py -n 0` there and "
-          f"submit with benchmarks/submit.py; grade their archives here with benchmarks/grade.py")
+          f"submit with course/submit.py; grade their archives here with course/grade.py")

@@ -1,7 +1,7 @@
-"""The instructor's hidden cases (docs/instructor.md), left out of a handout: for each graded
+"""The instructor's hidden cases (course/instructor.md), left out of a handout: for each graded
 function, inputs that never ship to students, drawn at random from a seed of the instructor's, of
 other shapes than tests/test_graded.py's hand-computed ones, with masks, padding, equal groups, a
-missing reference. benchmarks/grade.py calls the reference functions on them in the instructor's
+missing reference. course/grade.py calls the reference functions on them in the instructor's
 repo and holds each submission's to the same results: every value, key, shape and dtype the
 reference returns, its gradients to the inputs that carry one. A function fitted to the visible
 cases fails here. tests/test_graders.py checks that the reference passes them all.

@@ -1,14 +1,14 @@
-"""A student's submission (docs/assignment.md): pack the student's files and runs into one
+"""A student's submission (course/assignment.md): pack the student's files and runs into one
 archive, after a local check of the graded functions.
 
-  python benchmarks/submit.py [--out submission.tar.gz] [--runs out]
+  python course/submit.py [--out submission.tar.gz] [--runs out]
 
-The archive holds the eight files with graded functions, docs/answers.md, and under --runs every
+The archive holds the eight files with graded functions, course/answers.md, and under --runs every
 stage's metrics.jsonl and test evaluation (summary.json and samples.jsonl: the samples are what the
 run is graded on). The instructor grades it with their own graders, visible and hidden cases, and
-re-scores the samples (benchmarks/grade.py, which stays with them): nothing the student's copy
+re-scores the samples (course/grade.py, which stays with them): nothing the student's copy
 computes is a grade. What this prints is the local check, tests/test_graded.py as handed out, for
-the parts of the handout (handout.json in docs/). Exit 0 even when checks fail: a partial submission
+the parts of the handout (handout.json in course/). Exit 0 even when checks fail: a partial submission
 is a submission.
 """
 import argparse
@@ -24,8 +24,8 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["verifier.py", "sft.py", "ipo.py", "rloo.py", "grpo.py", "opd.py", "rlt.py", "common.py",
-         "docs/answers.md"]
-# docs/assignment.md's code points: a function with a twin earns them when both pass
+         "course/answers.md"]
+# course/assignment.md's code points: a function with a twin earns them when both pass
 POINTS = {"verifier.score": 4, "verifier.dense_score": 2, "sft.sft_loss": 6, "rloo.rloo_advantages": 4,
           "rloo.importance_weights": 3, "common.k3_kl": 3, "rloo.rloo_loss": 5,
           "grpo.grpo_advantages": 3, "grpo.grpo_loss": 5, "grpo.aggregate": 4, "ipo.ipo_loss": 3,
@@ -59,10 +59,10 @@ def grades(report, timeout=120, only=None):
 
 
 def handed_out():
-    """The graded functions of this handout's parts (handout.json in docs/, which handout.py writes);
+    """The graded functions of this handout's parts (handout.json in course/, which handout.py writes);
     every one in a full copy of the repo."""
     try:
-        return json.load(open(os.path.join(ROOT, "docs", "handout.json")))["graded"]
+        return json.load(open(os.path.join(ROOT, "course", "handout.json")))["graded"]
     except (OSError, ValueError, KeyError):
         return list(POINTS) + list(TWIN_OF)
 
@@ -108,7 +108,7 @@ def main():
               + ("" if os.path.isfile(r.replace("summary.json", "samples.jsonl")) else
                  " (no samples.jsonl beside it: this run cannot be graded)"))
     if not evaluations:
-        print(f"no evaluation under {a.runs}/: run ./run_cpu.sh (docs/assignment.md, Runs)")
+        print(f"no evaluation under {a.runs}/: run ./run_cpu.sh (course/assignment.md, Runs)")
     print(f"wrote {a.out}")
 
 

@@ -1,6 +1,6 @@
 """Graded exercises, in the way of Stanford CS336's alignment assignment: the functions a student
 writes from a blank body (the advantage, the loss, the reward, the KL) and the check that grades each
-(docs/assignment.md lists them with their points). A check calls the function on small
+(course/assignment.md lists them with their points). A check calls the function on small
 hand-computed tensors; every failure is one line that starts with the function's name and states
 the property it breaks with the numbers it was called on. Grade one function (a blank body fails as
 "not written yet", a blank callee as "calls X, which is not written yet"):
@@ -405,7 +405,7 @@ def check_contract(q, fn):
     contract(fn, fn(*args, **kwargs), spec, reads)
 
 
-# ---- the table: each graded function, its check and its part of docs/assignment.md ---------------
+# ---- the table: each graded function, its check and its part of course/assignment.md -------------
 class Graded(NamedTuple):
     module: str
     function: str

@@ -1,6 +1,6 @@
-"""The instructor's side of the graded exercises (docs/instructor.md), left out of a handout: the
+"""The instructor's side of the graded exercises (course/instructor.md), left out of a handout: the
 graders of tests/test_graded.py graded themselves, the handout checked for leaks and for holding
-together, and the grading command (benchmarks/grade.py) tried on a class of archives.
+together, and the grading command (course/grade.py) tried on a class of archives.
 - A blanked body fails its grader as "not written yet"; a correct function whose callee is blank
   says "calls X, which is not written yet".
 - A zero stub gets a message that first says what it returned, not a mistake it did not make.
@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT
 from test_graded import GRADED, IDS, grade
 
-from benchmarks.handout import PARTS, blank, body_lines, make, to_blank
+from course.handout import INSTRUCTOR, PARTS, blank, body_lines, make, to_blank
 
 # module.function: (reference fragment, the mistake typed in its place, what the failure must name)
 MISTAKES = {
@@ -163,7 +163,7 @@ def test_a_handout_gives_no_answer_away(part, tmp_path):
                 if code in answers:
                     leaks.append(f"{os.path.relpath(path, out)}:{n} holds {answers[code]}'s {code!r}")
     assert not leaks, "\n".join(leaks)
-    assert not (out / "docs" / "instructor.md").exists() and not (out / "tests" / "test_graders.py").exists()
+    assert not [f for f in INSTRUCTOR if (out / f).exists()]
     import subprocess  # its git history is the blanked copy: one commit, nothing left to commit
     log = subprocess.run(["git", "log", "--oneline"], cwd=out, capture_output=True, text=True).stdout.splitlines()
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=out, capture_output=True, text=True).stdout
@@ -202,7 +202,7 @@ def test_a_short_track_student_who_writes_two_functions_is_checked_on_the_short_
     ev.mkdir(parents=True)
     (ev / "summary.json").write_text(json.dumps({"pass_at_k": {"1": 0.3}}))
     (ev / "samples.jsonl").write_text("{}\n")
-    r = subprocess.run([sys.executable, "benchmarks/submit.py", "--out", str(tmp_path / "s.tar.gz")], cwd=out,
+    r = subprocess.run([sys.executable, "course/submit.py", "--out", str(tmp_path / "s.tar.gz")], cwd=out,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "local check: 10 of 27 code points" in r.stdout, r.stdout
@@ -210,17 +210,17 @@ def test_a_short_track_student_who_writes_two_functions_is_checked_on_the_short_
     assert "grpo." not in r.stdout and "opd.opd_loss" not in r.stdout, r.stdout
     with tarfile.open(tmp_path / "s.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"verifier.py", "sft.py", "rloo.py", "docs/answers.md", "out/cpu/eval/sft/summary.json",
+    assert {"verifier.py", "sft.py", "rloo.py", "course/answers.md", "out/cpu/eval/sft/summary.json",
             "out/cpu/eval/sft/samples.jsonl"} <= names, names
     assert not [n for n in names if n.endswith(("grades.json", ".xml"))], names
 
 
 def test_the_assignment_and_the_submit_step_give_the_same_points():
-    """docs/assignment.md's code points per function are benchmarks/submit.py's, and each part's
+    """course/assignment.md's code points per function are course/submit.py's, and each part's
     total is its heading's."""
     import re
-    from benchmarks.submit import POINTS
-    page = open(os.path.join(ROOT, "docs/assignment.md")).read()
+    from course.submit import POINTS
+    page = open(os.path.join(ROOT, "course/assignment.md")).read()
     found = {q: int(n) for q, n in re.findall(r"`([\w.]+)`(?: and its twin[^()]*)? \((\d+)(?: points?)?\)", page)}
     assert {q: found.get(q) for q in POINTS} == POINTS
     parts = re.findall(r"^## Part \d+\. .*?\((\d+) points", page, re.M)
@@ -250,7 +250,7 @@ def test_a_function_missing_a_key_its_script_reads_fails_naming_it(q, key):
 def test_the_reference_passes_every_hidden_case_and_a_function_fitted_to_the_visible_ones_does_not(tmp_path):
     import torch
 
-    from benchmarks import grade as G
+    from course import grade as G
     G.expected(IDS, 7, tmp_path / "cases.pt")
     cases = torch.load(tmp_path / "cases.pt", weights_only=False)
     for q in IDS:
@@ -270,11 +270,11 @@ def test_the_reference_passes_every_hidden_case_and_a_function_fitted_to_the_vis
 
 # ---- a handout that holds together ----------------------------------------------------------------
 def local_targets(root, text, page):
-    """What a page or file of `root` points at: markdown links, and (in code) docs/ paths."""
+    """What a page or file of `root` points at: markdown links, and (in code) docs/ and course/ paths."""
     out = [os.path.normpath(os.path.join(os.path.dirname(page), t.split("#")[0]))
            for t in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`\n]*`", "", text))
            if not re.match(r"(https?|mailto):|#", t)] if page.endswith(".md") else []
-    return out + (re.findall(r"docs/[\w/.-]+\.(?:md|json|png|jsonl)", text) if not page.endswith(".md") else [])
+    return out + (re.findall(r"(?:docs|course)/[\w/.-]+\.(?:md|json|png|jsonl)", text) if not page.endswith(".md") else [])
 
 
 @pytest.mark.parametrize("part", ["all", *PARTS])
@@ -283,7 +283,6 @@ def test_every_handout_filled_back_is_the_repo_less_the_key_and_links_to_nothing
     byte, so its own suite runs what the repo's runs; and no page, test or script of it links to,
     names the path of, or opens a file it leaves out (the key, the graders' tests, the hidden
     cases, the grading tools). `pytest -m slow` runs the whole filled-back handout's suite."""
-    from benchmarks.handout import INSTRUCTOR
     out = tmp_path / "handout"
     names = make(str(out), list(PARTS) if part == "all" else [part])
     fill(out, names)
@@ -299,12 +298,13 @@ def test_every_handout_filled_back_is_the_repo_less_the_key_and_links_to_nothing
                 differ.append(rel)
             broken += [f"{rel} -> {t}" for t in local_targets(out, text, rel) if not os.path.exists(out / t)]
             if rel.startswith("tests/"):  # no test reads or imports the instructor's side
-                imported = set(re.findall(r"(?:^|\n)\s*(?:from|import)\s+(?:benchmarks\.)?(\w+)", text))
+                imported = set(re.findall(r"(?:^|\n)\s*(?:from|import)\s+(?:course\.)?(\w+)", text))
                 broken += [f"{rel} names {x}" for x in INSTRUCTOR if x in text]
-                broken += [f"{rel} imports {m}" for m in imported & {"test_graders", "hidden_cases", "grade", "handout"}]
+                broken += [f"{rel} imports {m}" for m in imported & {os.path.basename(x)[:-3] for x in INSTRUCTOR
+                                                                      if x.endswith(".py")}]
     assert not differ, f"filled back, these differ from the repo's: {differ}"
     assert not broken, "\n".join(broken)
-    assert json.load(open(out / "docs" / "handout.json"))["blanked"] == names
+    assert json.load(open(out / "course" / "handout.json"))["blanked"] == names
 
 
 @pytest.mark.slow
@@ -323,7 +323,7 @@ def samples_of(right_per_problem):
     """The test split's problems, 16 samples each, the first right_per_problem(i) right (the solver's
     answer), the others a wrong one: evaluate.py's samples.jsonl, and its pass@1."""
     import verifier
-    from benchmarks.grade import NUM_SAMPLES, TEST_DATA
+    from course.grade import NUM_SAMPLES, TEST_DATA
     from plumbing.tasks import load_tasks
     rows, right = [], 0
     for i, t in enumerate(load_tasks(TEST_DATA, "test")):
@@ -376,7 +376,7 @@ def test_grading_a_class_trusts_no_verdict_summary_or_test_the_students_send(tmp
     ev.mkdir(parents=True)
     (ev / "samples.jsonl").write_text(samples)
     (ev / "summary.json").write_text(json.dumps({"pass_at_k": {"1": pass1}}))
-    files = ["verifier.py", "sft.py", "docs/answers.md", "out/cpu/eval/sft/samples.jsonl", "out/cpu/eval/sft/summary.json"]
+    files = ["verifier.py", "sft.py", "course/answers.md", "out/cpu/eval/sft/samples.jsonl", "out/cpu/eval/sft/summary.json"]
 
     def pack(name, extra=()):
         with tarfile.open(tmp_path / f"{name}.tar.gz", "w:gz") as tar:
@@ -394,7 +394,7 @@ def test_grading_a_class_trusts_no_verdict_summary_or_test_the_students_send(tmp
     archives.append(pack("dave"))
     (tmp_path / "eve.tar.gz").write_bytes(b"not an archive")
     archives.append(str(tmp_path / "eve.tar.gz"))
-    r = subprocess.run([sys.executable, "benchmarks/grade.py", *archives, "--parts", "verifier", "sft", "--out",
+    r = subprocess.run([sys.executable, "course/grade.py", *archives, "--parts", "verifier", "sft", "--out",
                         str(tmp_path / "grades"), "--limit", "3", "--jobs", "2"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["submission"]: row for row in csv.DictReader(open(tmp_path / "grades" / "grades.csv"))}
@@ -420,7 +420,7 @@ def test_gradescope_results_follow_its_format_and_the_autograder_zip_holds_the_k
     import sys
     import zipfile
 
-    from benchmarks.grade import gradescope
+    from course.grade import gradescope
     r = {"submission": "s", "code_points": 4, "code_possible": 12, "run_points": 4, "run_possible": 4,
          "functions": {"verifier.score": {"ok": True, "line": "passed", "visible": "passed"},
                        "verifier.dense_score": {"ok": False, "line": "dense_score: hidden case 2 (...): ...",
@@ -439,22 +439,22 @@ def test_gradescope_results_follow_its_format_and_the_autograder_zip_holds_the_k
     assert all(t["visibility"] == "after_published" for t in res["tests"] if t["max_score"])
     hidden_fail = next(t for t in res["tests"] if t["name"] == "verifier.dense_score: the visible check")
     assert hidden_fail["output"] == "passed" and hidden_fail["visibility"] == "visible"  # nothing of a hidden case
-    z = subprocess.run([sys.executable, "benchmarks/grade.py", "--autograder", str(tmp_path / "a.zip"), "--parts",
+    z = subprocess.run([sys.executable, "course/grade.py", "--autograder", str(tmp_path / "a.zip"), "--parts",
                         "verifier", "sft"], cwd=ROOT, capture_output=True, text=True)
     assert z.returncode == 0, z.stderr
     names = zipfile.ZipFile(tmp_path / "a.zip").namelist()
-    assert {"setup.sh", "run_autograder", "parts.txt", "countdown/benchmarks/grade.py",
-            "countdown/tests/hidden_cases.py", "countdown/install.sh"} <= set(names)
+    assert {"setup.sh", "run_autograder", "parts.txt", "countdown/course/grade.py",
+            "countdown/course/hidden_cases.py", "countdown/install.sh"} <= set(names)
     assert zipfile.ZipFile(tmp_path / "a.zip").read("parts.txt").decode().split() == ["verifier", "sft"]
 
 
 def test_the_assignments_targets_are_every_fresh_runs_widened():
-    """docs/assignment.md's targets are benchmarks/grade.py's (every run in docs/fresh_runs.json,
+    """course/assignment.md's targets are course/grade.py's (every run in docs/fresh_runs.json,
     widened by 0.03, rounded outward), its fresh-run ranges are the runs', and their count too."""
-    from benchmarks.grade import TEST_DATA, targets
+    from course.grade import TEST_DATA, targets
     from plumbing.report import fresh_runs
     assert f'DATA="{TEST_DATA}"' in open(os.path.join(ROOT, "run_cpu.sh")).read()  # the split the runs are graded on
-    page = open(os.path.join(ROOT, "docs/assignment.md")).read()
+    page = open(os.path.join(ROOT, "course/assignment.md")).read()
     runs = fresh_runs()
     assert f"spread of the {len(runs)} fresh-clone runs" in " ".join(page.split())
     for stage, (low, high) in targets().items():
@@ -464,14 +464,14 @@ def test_the_assignments_targets_are_every_fresh_runs_widened():
 
 
 def test_the_instructors_key_quotes_runs_it_can_name():
-    """docs/instructor.md's rows of a pipeline's own evaluations (`out/cpu/eval/...`) quote pass@k
+    """course/instructor.md's rows of a pipeline's own evaluations (`out/cpu/eval/...`) quote pass@k
     of a run in docs/fresh_runs.json or the current one (the exercises start from a fresh clone's
     out/cpu); its mistake shares are that run's own, from its summary.json, not kept in the repo."""
     from plumbing.report import fresh_runs
     current = json.load(open(os.path.join(ROOT, "docs/results.json")))
     known = {f"{v:.3f}" for r in fresh_runs() for k in ("pass@1", "pass@16") for v in r[k].values()}
     known |= {f"{v:.3f}" for r in current.values() for v in r["pass_at_k"].values()}
-    rows = [line for line in open(os.path.join(ROOT, "docs/instructor.md")).read().splitlines()
+    rows = [line for line in open(os.path.join(ROOT, "course/instructor.md")).read().splitlines()
             if line.startswith("| `out/cpu/eval/")]
     found = [x for line in rows for x in re.findall(r"(?<![\w.])\d\.\d{3}(?![\d.%])", line)]
     assert rows and found and not [x for x in found if x not in known], found
@@ -485,11 +485,11 @@ def test_the_reference_files_earn_every_code_point_every_stage_running(tmp_path)
     import subprocess
     import sys
     import tarfile
-    from benchmarks.submit import FILES
+    from course.submit import FILES
     with tarfile.open(tmp_path / "key.tar.gz", "w:gz") as tar:
         for f in FILES:
             tar.add(os.path.join(ROOT, f), arcname=f)
-    r = subprocess.run([sys.executable, "benchmarks/grade.py", str(tmp_path / "key.tar.gz"), "--out", str(tmp_path / "g")],
+    r = subprocess.run([sys.executable, "course/grade.py", str(tmp_path / "key.tar.gz"), "--out", str(tmp_path / "g")],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(csv.DictReader(open(tmp_path / "g" / "grades.csv")))
