@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from plumbing import report
-from benchmarks.exercises import exercises, run
+from course.exercises import exercises, run
 from conftest import ROOT
 
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -134,13 +134,15 @@ def markdown_links(path):
 
 
 def test_every_link_in_readme_and_docs_resolves():
-    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs/**/*.md"), recursive=True)
+    pages = [os.path.join(ROOT, "README.md")] + [p for d in ("docs", "course")
+                                                 for p in glob.glob(os.path.join(ROOT, d, "**/*.md"), recursive=True)]
     broken = [f"{os.path.relpath(p, ROOT)}: {t}" for p in pages for t in markdown_links(p)
               if not os.path.exists(os.path.join(os.path.dirname(p), t))]
-    code = [p for pattern in ("*.py", "*.sh", "tests/*.py", "benchmarks/**/*", "pretrained/*/README.md")
-            for p in glob.glob(os.path.join(ROOT, pattern), recursive=True) if os.path.isfile(p)]
+    code = [p for pattern in ("*.py", "*.sh", "tests/*.py", "benchmarks/**/*", "course/**/*", "pretrained/*/README.md")
+            for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+            if os.path.isfile(p) and "__pycache__" not in p]
     broken += [f"{os.path.relpath(p, ROOT)}: {t}" for p in code
-               for t in re.findall(r"docs/[\w/.-]+\.(?:md|json|png|jsonl)", open(p).read())
+               for t in re.findall(r"(?:docs|course)/[\w/.-]+\.(?:md|json|png|jsonl)", open(p).read())
                if not os.path.exists(os.path.join(ROOT, t))]
     assert len(pages) > 10 and not broken, f"links to nothing: {broken}"
 
@@ -204,27 +206,40 @@ def test_each_readme_exercise_runs_as_printed_for_2_steps(number, title, command
         f"exercise {number} compares a key its runs do not log:\n{text[-1500:]}"
 
 
-def test_readme_one_rl_step_names_the_files_the_step_runs_through(tiny_ckpt, tmp_path, monkeypatch):
-    """README's "Read the code" says which files one RL step runs through, and that the update is
-    computed in rloo.py, common.py and verifier.py. One default CPU step of rloo.py (the shared
-    forward, the fast decoder), followed with sys.setprofile: the files it enters are the ones the
-    paragraph names, and from the end of its sampling to its non-finite check (forward, loss,
-    backward, clip) it enters no other repo file but harness.py's step sums, checkpoints.py's
-    finite check and models.py's precision. Broken on purpose (README without `traces.py`; the
-    loss's k3 moved to plumbing/), it failed."""
+def one_step_rows():
+    """docs/one_step.md's table rows: (file, function) in the order the page lists them."""
+    text = open(os.path.join(ROOT, "docs/one_step.md")).read()
+    return re.findall(r"^\| \d+ \| `([\w/]+\.py)` \| `([\w.]+)` \|", text, re.M)
+
+
+def test_readme_and_one_step_follow_the_step_the_code_runs(tiny_ckpt, tmp_path, monkeypatch):
+    """README's "Read the code" and docs/one_step.md say which files and functions one RL step runs
+    through, and that the update is computed in rloo.py, common.py and verifier.py. One default CPU
+    step of rloo.py (the shared forward, the fast decoder), followed with sys.setprofile: the files
+    it enters are the ones README names; docs/one_step.md's rows are entered in the page's order,
+    every function of rloo.py, common.py and verifier.py the step enters is a row, and every file
+    it enters is named there; from the end of its sampling to its non-finite check (forward, loss,
+    backward, clip) it enters no repo file but the lesson's, the forward's fast path and precision,
+    and the run's sums and finite check. Broken on purpose: README without `traces.py`, the loss's
+    k3 moved to plumbing/ (both failed before this page); two rows of docs/one_step.md swapped, and
+    one row (`common.py` `pack`) deleted, each failed."""
     import rloo
     from conftest import GEN
     from plumbing import harness
     text = section(README, "Read the code")
     named = {f if "/" in f or os.path.exists(os.path.join(ROOT, f)) else f"plumbing/{f}"  # plumbing/'s by name
              for f in re.findall(r"`([\w/]+\.py)`", text) if not f.startswith("benchmarks/")}  # a benchmark cited
-    seen, phase = {}, {"now": None}
+    seen, order, phase = {}, [], {"now": None}
 
     def profile(frame, event, arg):
         f = frame.f_code.co_filename
         if phase["now"] and f.startswith(ROOT + os.sep) and not f.startswith((
                 os.path.join(ROOT, ".venv"), os.path.join(ROOT, "tests"))):
-            seen.setdefault(phase["now"], set()).add(os.path.relpath(f, ROOT))
+            rel = os.path.relpath(f, ROOT)
+            seen.setdefault("step" if phase["now"] == "after" else phase["now"], set()).add(rel)
+            name = frame.f_code.co_qualname
+            if phase["now"] != "after" and event == "call" and "<" not in name and (rel, name) not in order:
+                order.append((rel, name))  # to the non-finite check: docs/one_step.md's span
     steps, sampled, finite = harness.Run.steps, harness.Run.sampled, harness.Run.finite
 
     def traced_steps(run):
@@ -240,7 +255,7 @@ def test_readme_one_rl_step_names_the_files_the_step_runs_through(tiny_ckpt, tmp
 
     def traced_finite(run, *a):
         ok = finite(run, *a)
-        phase["now"] = "step"
+        phase["now"] = "after"  # log, evaluate, save: README's files, not docs/one_step.md's rows
         return ok
     monkeypatch.setattr(harness.Run, "steps", traced_steps)
     monkeypatch.setattr(harness.Run, "sampled", traced_sampled)
@@ -255,5 +270,69 @@ def test_readme_one_rl_step_names_the_files_the_step_runs_through(tiny_ckpt, tmp
     assert touched == named, f"the step runs through {sorted(touched)}; README names {sorted(named)}"
     # distributed.py: in one process a lookup that finds no DDP wrapper and sums nothing over ranks
     assert seen["update"] <= {"rloo.py", "common.py", "verifier.py", "plumbing/harness.py", "plumbing/checkpoints.py",
-                              "plumbing/models.py", "plumbing/distributed.py"}, sorted(seen["update"])
+                              "plumbing/models.py", "plumbing/distributed.py", "plumbing/shared_prompts.py"}, \
+        sorted(seen["update"])
     assert {"rloo.py", "common.py"} <= seen["update"]
+    rows = one_step_rows()
+    assert len(rows) >= 30, rows
+    where = {call: i for i, call in enumerate(order)}
+    missing = [r for r in rows if r not in where]
+    assert not missing, f"docs/one_step.md lists calls the step never makes: {missing}"
+    out_of_order = [(a, b) for a, b in zip(rows, rows[1:]) if where[a] > where[b]]
+    assert not out_of_order, f"docs/one_step.md's order is not the step's: {out_of_order}"
+    lesson = [c for c in order if c[0] in ("rloo.py", "common.py", "verifier.py") and c not in rows]
+    assert not lesson, f"the step enters lesson functions docs/one_step.md does not list: {lesson}"
+    unnamed = {f for f, _ in order} - {f for f, _ in rows}
+    assert not unnamed, f"docs/one_step.md names no row of {sorted(unnamed)}"
+
+
+# ---- every name a page uses exists -----------------------------------------------------------------
+PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for pattern in ("docs/**/*.md", "course/**/*.md")
+                               for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+TOP = ("benchmarks", "course", "docs", "plumbing", "pretrained", "tests", ".ci")
+# flags of the tools around the scripts (pip, torchrun, docker), not of this repo's
+OTHERS = {"--nproc_per_node", "--no-compile", "--index-url", "--dry-run", "--ignore-installed", "--report",
+          "--network", "--rm", "--help"}
+
+
+def repo_flags():
+    """Every --flag of the repo's commands: the scripts' Args dataclasses (each field, with dashes,
+    and --no-x for a bool), the argparse flags of plumbing/, benchmarks/ and course/, run_cpu.sh's."""
+    import dataclasses
+    import importlib
+    out = set()
+    for name in ("sft", "ipo", "rloo", "grpo", "opd", "rlt", "evaluate"):
+        for f in dataclasses.fields(importlib.import_module(name).Args):
+            for n in {f.name, f.name.replace("_", "-")}:
+                out |= {f"--{n}", f"--no-{n}"} if f.type in (bool, "bool") else {f"--{n}"}
+    for p in glob.glob(os.path.join(ROOT, "*", "*.py")) + glob.glob(os.path.join(ROOT, "*", "*", "*.py")):
+        if os.sep + "." not in os.path.relpath(p, ROOT):
+            out |= set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", open(p).read()))
+            out |= set(re.findall(r"add_argument\([^)]*?\"(--[\w-]+)\"", open(p).read()))
+            out |= set(re.findall(r"\"(--[\w-]+)\" in sys\.argv", open(p).read()))
+    for p in glob.glob(os.path.join(ROOT, "*.sh")) + glob.glob(os.path.join(ROOT, "*", "*.sh")):
+        for arm, quoted in re.findall(r"(--[\w-]+)\)|= \"(--[\w-]+)\"", open(p).read()):
+            out.add(arm or quoted)  # a `case` arm (--plan) ...) or a test ([ "$1" = "--torchrun" ])
+    return out
+
+
+def test_every_path_and_flag_a_page_names_exists():
+    """README and every page under docs/ and course/ name only files that exist (a repo path, or a
+    bare `x.py` somewhere in the repo) and only flags some command of the repo takes (its --help).
+    Broken on purpose (README naming `benchmarks/rl_levers.sh`, a page naming `--mu_trainer`), it
+    failed."""
+    flags, bad = repo_flags(), []
+    files = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "**", "*"), recursive=True)
+             if ".venv" not in p}
+    for page in PAGES:
+        text = re.sub(r"https?://\S+", "", open(os.path.join(ROOT, page)).read())
+        for path in re.findall(rf"(?<![\w/.~$-])((?:{'|'.join(map(re.escape, TOP))})/[\w./-]*[\w/])", text):
+            if not os.path.exists(os.path.join(ROOT, path)):
+                bad.append(f"{page}: {path}")
+        for name in re.findall(r"(?<![\w/.~$-])([\w-]+\.(?:py|sh))\b", text):
+            if name not in files:
+                bad.append(f"{page}: {name}")
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", text):
+            if flag not in flags | OTHERS:
+                bad.append(f"{page}: {flag}")
+    assert not bad, f"names that do not exist: {sorted(set(bad))}"
