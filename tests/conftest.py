@@ -26,6 +26,36 @@ def pytest_configure(config):
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS",
                     "TORCHINDUCTOR_COMPILE_THREADS"):
             os.environ[var] = str(n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_python(tmp_path_factory):
+    """Every `python script.py` a test starts (through sys.executable, $PYTHON, $PY) forks from one
+    interpreter per worker that has imported torch and transformers (tests/warm_python.py), instead
+    of importing them again (~3 s each). WARM_PYTHON=0: real interpreters."""
+    import shutil
+    import subprocess
+    if os.environ.get("WARM_PYTHON") == "0" or sys.platform != "linux":
+        yield
+        return
+    d = tmp_path_factory.mktemp("warm")
+    real, sock, shim = sys.executable, str(d / "sock"), d / "python"
+    server = subprocess.Popen([real, os.path.join(ROOT, "tests", "warm_python.py"), "--serve", sock])
+    shim.write_text(f'#!/bin/sh\nexec "{real}" -I -S "{os.path.join(ROOT, "tests", "warm_python.py")}" '
+                    f'"{real}" "$@"\n')
+    shim.chmod(0o755)
+    os.environ["WARM_PYTHON"], os.environ["WARM_PYTHON_REAL"], sys.executable = sock, real, str(shim)
+    try:
+        yield
+    finally:
+        sys.executable = real
+        os.environ.pop("WARM_PYTHON", None)
+        os.environ.pop("WARM_PYTHON_REAL", None)
+        server.kill()
+        server.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # 20 test + 8 val problems: every script's --data in the tests
 GEN = "gen:nums=3,range=1-9,test=20,val=8"
 

@@ -115,7 +115,7 @@ def test_install_quotes_no_result_or_time_of_its_own():
 
 def test_readme_is_a_walkthrough_not_a_log():
     lines = README.splitlines()
-    assert len(lines) <= 260, f"README has {len(lines)} lines (budget 260)"
+    assert len(lines) <= 230, f"README has {len(lines)} lines (budget 230)"
     assert "docs/pass_at_k.png" in "\n".join(lines[:40]), "the pass@k picture is within the first 40 lines"
     titles = [line[3:] for line in lines if line.startswith("## ")]
     assert titles == ["Quickstart", "What you should see", "Read the code", "One H100", "More GPUs", "Exercises",
