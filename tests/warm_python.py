@@ -10,9 +10,9 @@ environment and its stdin/stdout/stderr; the server forks, and the child runs th
 `python script.py` would (`__main__`, sys.argv, sys.path[0] its folder, the repo's modules imported
 afresh from there: a handout's copy imports its own), while the client waits, forwards a signal
 (`timeout 40`, a test's kill) to the child, and exits with the child's status. Whatever is not a
-plain `python FILE.py ...` (-m, -c, options), or an environment whose CPU settings torch reads at
-import (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) differ from the server's,
-runs in a real interpreter, as before."""
+plain `python FILE.py ...` (-m, -c, options), or an environment that differs from the server's in
+what is read at import (IMPORT_TIME: the CPU's capability, threads, a C++ compiler, the hub's
+offline switch), runs in a real interpreter, as before."""
 import json
 import os
 import signal
@@ -20,10 +20,16 @@ import socket
 import struct
 import sys
 
-# what torch or the interpreter reads once, at start or import: a request that sets them otherwise
-# than the server's environment runs in a real interpreter
-IMPORT_TIME = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
-               "MKL_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "LD_PRELOAD")
+# what the interpreter, torch (its CPU dispatch, thread pools, inductor's config: CXX) or transformers
+# (HF_HUB_OFFLINE) read once, at start or import: a request that sets any of them otherwise than the
+# server's environment runs in a real interpreter
+IMPORT_TIME = ("ATEN_", "ONEDNN_", "MKL_", "OMP_", "KMP_", "TORCH", "PYTORCH_", "CUDA", "HF_", "TRANSFORMERS_",
+               "LD_")
+IMPORT_TIME_KEYS = ("CXX", "CC", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONWARNINGS")
+
+
+def import_time(env):
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) or k in IMPORT_TIME_KEYS}
 
 
 def _send(sock, obj):
@@ -49,7 +55,7 @@ def serve(path):
     import torch  # noqa: F401  the imports the children inherit: nothing runs yet
     import transformers  # noqa: F401
     from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
-    base_env = {k: os.environ.get(k) for k in IMPORT_TIME}
+    base_env = import_time(os.environ)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)
@@ -61,7 +67,7 @@ def serve(path):
         while len(msg) < 4 + n:
             msg += conn.recv(4 + n - len(msg))
         req = json.loads(msg[4:4 + n])
-        if {k: req["env"].get(k) for k in IMPORT_TIME} != base_env:
+        if import_time(req["env"]) != base_env:
             _send(conn, {"pid": 0})  # the client runs a real interpreter
             conn.close()
             for fd in fds:
