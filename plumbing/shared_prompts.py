@@ -1,8 +1,9 @@
-"""The RL updates' fast path on a CPU (--shared_prompt, auto there): a group's rollouts share
-their prompt, so the training forward runs each prompt once and expands its keys and values over
-the group, all inside autograd: the loss's one backward carries every row's share through its
-prompt's forward. The same log-probs as the plain per-row forward (common.decoder_states without
-`prompts`), to float rounding (tests/test_rl.py, tests/test_common.py). Across a group the prompt
+"""The RL updates' fast path on a CPU (--prompt_forward shared, auto there): a group's rollouts
+share their prompt, so the training forward runs each prompt once and expands its keys and values
+over the group, all inside autograd: the loss's one backward carries every row's share through its
+prompt's forward. The same log-probs and gradients as the plain per-row forward
+(common.decoder_states without `prompts`), to float rounding (tests/test_rl.py: the shared prompt
+forward is the per-row forward; a step the same in any micro-batches). Across a group the prompt
 is about a quarter of a row (~34 of ~150 tokens here).
   - `GroupPrompts`: a micro-batch's prompts (each but its last token, left-padded), which prompt
     each row continues, and the row spans each forward runs;
