@@ -46,7 +46,10 @@ def _recv(sock):
         head += chunk
     n, data = struct.unpack("!I", head)[0], b""
     while len(data) < n:
-        data += sock.recv(n - len(data))
+        chunk = sock.recv(n - len(data))
+        if not chunk:  # the other side died mid-message
+            return None
+        data += chunk
     return json.loads(data)
 
 
