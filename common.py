@@ -4,7 +4,7 @@
      in plumbing/fast_decode.py) and VLLMSampler (an engine in this process, pinned to vllm 0.32.0;
      its management in plumbing/vllm_engine.py).
   2. Which problems a step draws (paper 001's curriculum, paper 002's filter and its probe), then
-     the batch: rollouts() samples it, score_rollouts() runs the verifier.
+     the batch: rollouts() samples it (take_groups: groups of several), score_rollouts() scores it.
   3. The training forward: micro-batches with masks, the precision (autocast), and chunked
      log-probs, entropy and KL, so no (B, T, V) logits tensor ever exists (token_stats,
      decoder_states; on a CPU each prompt runs once for its group: plumbing/shared_prompts.py).
@@ -308,9 +308,8 @@ class Curriculum:
 
 
 def make_curriculum(mode, tasks, bins, window, threshold, state=None):
-    """The Curriculum of --curriculum `mode` (none | tiers | filter) over `tasks`; `filter` needs
-    the probe's task["solve_rate"] first and keeps the probed problems with 0 < rate < 1. `state`:
-    a resumed run's level and window."""
+    """The Curriculum of --curriculum `mode` (none | tiers | filter) over `tasks`, from a resumed
+    run's `state`; `filter` keeps the probed problems (task["solve_rate"]) with 0 < rate < 1."""
     if mode == "tiers":
         return Curriculum(tiers(tasks, bins), window, threshold, **(state or {}))
     if mode == "filter":
@@ -324,9 +323,8 @@ def make_curriculum(mode, tasks, bins, window, threshold, state=None):
 
 def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, max_new_tokens,
           seed, path):
-    """The init's accuracy on each of `tasks` from k samples at `temperature`, kept on each task
-    as task["solve_rate"] (paper 002 §5.2's filter and easy/hard split); `path` keeps them, so a
-    resumed run does not probe again (plumbing/tasks.py: solve_rates). Returns `tasks`."""
+    """The init's accuracy on each of `tasks` from k samples at `temperature`, as task["solve_rate"]
+    (002 §5.2's filter and easy/hard split), kept in `path` for a resumed run. Returns `tasks`."""
     def measure():
         samples = rollouts(sampler, model, tok, tasks, k, template, max_prompt_len, temperature,
                            max_new_tokens, seed)
@@ -356,16 +354,18 @@ def rollouts(sampler, model, tokenizer, tasks, n, template, max_prompt_len, temp
                                              seed_requests=False)))
         rows += len(idx) * n
     sampler.sleep()  # vLLM hands its GPU memory back for the update
-    return groups[0][1] if len(groups) == 1 else _merge(groups, len(tasks), n)
+    order = sorted((i, s, k) for idx, s in groups for k, i in enumerate(idx))  # back in task order
+    return groups[0][1] if len(groups) == 1 else take_groups([(s, k) for _, s, k in order], n)
 
 
-def _merge(groups, n_prompts, n):  # Rollouts of disjoint task subsets back into one, in task order
-    out = Rollouts([None] * n_prompts, *([None] * (n_prompts * n) for _ in range(4)))
-    for idx, samples in groups:
-        for k, i in enumerate(idx):
-            out.prompt_ids[i] = samples.prompt_ids[k]
-            for field in ("completion_ids", "logprobs", "texts", "finished"):
-                getattr(out, field)[i * n:(i + 1) * n] = getattr(samples, field)[k * n:(k + 1) * n]
+def take_groups(picks, n):
+    """One Rollouts of the groups `picks`, [(Rollouts, prompt index k)], in that order (n rows a
+    group): rollouts' groups in task order, grpo.py's kept groups of several draws."""
+    out = Rollouts([], [], [], [], [])
+    for samples, k in picks:
+        out.prompt_ids.append(samples.prompt_ids[k])
+        for field in ("completion_ids", "logprobs", "texts", "finished"):
+            getattr(out, field).extend(getattr(samples, field)[k * n:(k + 1) * n])
     return out
 
 

@@ -1,22 +1,25 @@
 """GRPO: group-normalized advantages, a PPO-clipped ratio and a KL to a frozen reference (paper 004
-§2 Eq. 1-2; paper 002 §3 Eq. 1 and its Countdown recipe).
+§2 Eq. 1-2; paper 002 §3 Eq. 1 and its Countdown recipe), and the variants of 2025-26, a flag each.
 
     A_i = (r_i − mean_j r_j) / (std_j r_j + ε)               (004 Eq. 2; Dr. GRPO: no std)
     l_it = min(ρ_it A_i, clip(ρ_it, 1−ε_lo, 1+ε_hi) A_i) − β D_KL(π_θ ‖ π_ref)
-    ρ_it = π_θ(o_it) / π_old(o_it)
+    ρ_it = π_θ(o_it) / π_old(o_it)    GSPO: s_i = exp(1/|o_i| Σ_t log ρ_it) in place of every ρ_it
+    CISPO: l_it = sg(min(ρ_it, 1+ε_hi)) A_i log π_θ(o_it) − β D_KL   (a capped token has a gradient)
+    DAPO: r_i += min(0, (L_max − L_buf − |o_i|) / L_buf) · p; groups all right or wrong resampled
     L = −agg(l):  seq-mean 1/G Σ_i 1/|o_i| Σ_t (DeepSeekMath, 004)  |  token-mean 1/Σ|o_i| Σ_i Σ_t
                   (DAPO; 002 Eq. 1)  |  constant 1/(G·L_max) Σ_i Σ_t (Dr. GRPO)
-seq-mean gives each rollout the same weight, so a token of a long wrong answer is pushed down less
-than one of a short one: it prefers long failures. token-mean and constant give every token the same
-weight. π_θ and π_old in ρ are both softmax(logits / T) at the rollout temperature (as TRL): the
-policy that sampled. D_KL is k3 times ρ (TRL's use_bias_correction_kl), whose gradient is that of
-KL(π_θ ‖ π_ref) as Eq. 1 writes it; --no-kl_ratio is DeepSeekMath's plain k3, whose gradient is that
-of KL(π_ref ‖ π_θ). Defaults are 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5); 004's
-values are in each --help. Departures from the papers:
+GSPO: Zheng et al. 2025, arXiv 2507.18071. CISPO: MiniMax-M1, arXiv 2506.13585, Eq. 4. DAPO: Yu et
+al. 2025, arXiv 2503.14476: clip-higher, token-mean, Eq. 13's overlong shaping and Alg. 1's dynamic
+sampling; docs/studies/grpo_family.md measures them. seq-mean gives each rollout the same weight,
+so a token of a long wrong answer is pushed down less than one of a short one: it prefers long
+failures. π_θ and π_old in ρ are both softmax(logits / T) at the rollout temperature (as TRL). D_KL
+is k3 times ρ (TRL's use_bias_correction_kl), whose gradient is that of KL(π_θ ‖ π_ref) as Eq. 1
+writes it; --no-kl_ratio is DeepSeekMath's plain k3, whose gradient is that of KL(π_ref ‖ π_θ).
+Defaults: 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5), 004's in --help. Departures:
   1. π_old is the trainer's own forward of the batch before its first update (TRL, verl), not the
-     sampler's log-probs: with `--num_iterations 1` (DeepSeekMath's μ = 1) ρ = 1 and clipping only
-     acts from the second pass on. The sampler's are the canary (train/sampler_gap); --tis_cap C
-     weights each token's surrogate by min(π_old/π_sampler, C) for a bf16 engine's mismatch (TIS).
+     sampler's: at `--num_iterations 1` (DeepSeekMath's μ = 1) ρ = 1, clipping acts from the second
+     pass on, and GSPO's and CISPO's gradients are GRPO's. The sampler's log-probs are the canary
+     (train/sampler_gap); --tis_cap C weights each token by min(π_old/π_sampler, C) (TIS).
   2. Full fine-tuning unless --lora_rank (002 trains rank 8). 002's exploration knobs are flags:
      --bottom_p and --adaptive_temperature (§5.2); its filter and 001's tiers are --curriculum.
      Bottom-p samples off-policy: π_old in ρ stays softmax(logits / T), as 002 computes it.
@@ -32,10 +35,11 @@ from functools import partial
 import torch
 
 from common import (autocast, data_parallel, k3_kl, make_curriculum, make_sampler, micro_batches,
-                    mix_reference, probe, rollout_metrics, rollouts, score_rollouts, token_stats)
+                    mix_reference, probe, rollout_metrics, rollouts, score_rollouts, take_groups,
+                    token_stats)
 from evaluate import eval_metrics
-from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
-                            parse_args, seed_everything)
+from plumbing.flags import (RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
+                            parse_temperatures, seed_everything)
 from plumbing.harness import Run, frozen_copy, load_policy, prepare_run, step_seed, warmup_lr
 from plumbing.tasks import load_tasks
 
@@ -67,20 +71,16 @@ class Args(RLArgs):
                              "Table 6: 0.04; 0: no reference)")
     kl_ratio: bool = arg(True, "k3 times ρ: the gradient of KL(π_θ‖π_ref) (--no-kl_ratio: "
                                "DeepSeekMath's k3, KL(π_ref‖π_θ)'s)")
-    epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high] (DeepSeekMath and "
-                              "TRL: 0.2)")
-    epsilon_high: float = arg(0.0, "upper clip ε_high (DAPO's clip-higher: 0.28); 0 = same as "
-                                   "--epsilon")
-    num_iterations: int = arg(1, "optimizer steps per rollout batch, each over the whole batch "
-                                 "(DeepSeekMath's μ)")
+    epsilon: float = arg(0.2, "PPO clip ε: ρ is kept within [1−ε, 1+ε_high] (DeepSeekMath, TRL)")
+    epsilon_high: float = arg(0.0, "upper clip ε_high (DAPO's clip-higher: 0.28); 0: --epsilon")
+    num_iterations: int = arg(1, "optimizer steps on each rollout batch (DeepSeekMath's μ)")
     scale_rewards: bool = arg(True,
                               "divide by the group's reward std (--no-scale_rewards: Dr. GRPO)")
     loss_agg: str = arg("token-mean", "seq-mean (DeepSeekMath) | token-mean (DAPO, 002 Eq. 1) | "
                                       "constant (Dr. GRPO)")
     mask_truncated: bool = arg(False,
                                "leave rollouts cut at --max_response_len out of the loss (002 §3)")
-    ref_sync_every: int = arg(0, "every N steps move π_ref toward π_θ (002: never, 0; 004 Table "
-                                 "6: 32)")
+    ref_sync_every: int = arg(0, "every N steps move π_ref toward π_θ (002: 0, never; 004: 32)")
     ref_sync_mix: float = arg(0.9,
                               "π_ref ← mix · π_θ + (1 − mix) · π_ref at a sync (004 Table 6: 0.9)")
     # exploration (002 §5.2)
@@ -91,9 +91,19 @@ class Args(RLArgs):
     adaptive_temperature: str = arg("", "EASY,HARD: per-problem T by a probe of the init, EASY "
                                         "where it solves half its samples (002 §5.2: 0.6,1.5); "
                                         "empty: --temperature for all")
+    ratio_level: str = arg("token", "token: ρ_it (PPO) | sequence: GSPO's s_i, a ratio a rollout "
+                                    "(GSPO clips at --epsilon 3e-4 --epsilon_high 4e-4)")
+    loss_type: str = arg("clip", "clip: PPO's min (Eq. 1) | cispo: −sg(min(ρ, 1 + ε_high))·A·log π "
+                                 "(verl's offset; TRL's epsilon_high is the cap 1 + ε_high)")
+    dynamic_sampling: bool = arg(False, "DAPO Alg. 1: drop groups the verifier scores all right or "
+                                        "all wrong and sample again until the batch is full")
+    max_sample_batches: int = arg(10, "dynamic sampling: batches a step samples at most (verl's "
+                                      "max_num_gen_batches, DAPO recipe); then flat groups fill")
+    overlong_buffer: int = arg(0, "DAPO Eq. 13: L_buf, the budget's last tokens, where the reward "
+                                  "falls linearly to −factor (DAPO: 4096 of 20480; 0: off)")
+    overlong_factor: float = arg(1.0, "DAPO Eq. 13: the penalty at the budget (verl's default 1)")
     tis_cap: float = arg(0.0, "C of truncated importance sampling: each token's surrogate times "
-                              "min(π_old/π_sampler, C), for a bf16 engine (TRL: 3, verl: 2; 0: "
-                              "off)")
+                              "min(π_old/π_sampler, C), a bf16 engine's (TRL: 3, verl: 2; 0: off)")
 
     # the reward and the curriculum (common.py), as in rloo.py
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
@@ -131,20 +141,42 @@ def tis_weight(old_logp, sampler_logp, cap):
     return (old_logp - sampler_logp).exp().clamp(max=cap) if cap > 0 else torch.ones_like(old_logp)
 
 
+def sequence_log_ratio(logp, old_logp, mask):
+    """GSPO's log s_i = 1/|y_i| Σ_t log(π_θ(y_it)/π_old(y_it)), s_i the geometric mean of the token
+    ratios, on every token (b, T-1) with that token's own gradient (GSPO-token's form, verl's):
+    Σ_t s_i ∇log π_θ(y_it) = |y_i| ∇s_i, so seq-mean is GSPO's sequence objective. (b, T-1) each."""
+    seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return seq.detach() + logp - logp.detach()                   # (b, T-1): log s_i, s_i ∇log π
+
+
+def cispo_surrogate(ratio, logp, A, eps_hi):
+    """CISPO's per-token objective (MiniMax-M1 Eq. 4-5): sg(min(ρ, 1 + ε_hi))·A·log π_θ, REINFORCE
+    weighted by the capped, detached ratio (no lower cap: the paper's ε_low is large), so a capped
+    token keeps its gradient. ratio, logp: (b, T-1); A: (b, 1). Returns it, and where the cap binds
+    (b, T-1)."""
+    return ratio.clamp(max=1 + eps_hi).detach() * A * logp, ratio > 1 + eps_hi
+
+
 def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl_ratio=True,
-              tis=1.0):
+              tis=1.0, mask=None, ratio_level="token", loss_type="clip"):
     """Per-token −l_it (b, T-1). logp, old_logp (π_old: the trainer's forward before the update),
-    ref_logp (None if β = 0): (b, T-1); adv: (b,); tis: tis_weight's (b, T-1), or 1. Where the
-    clipped term wins the min, the token has no gradient: `clipped` marks it. Returns (loss (b, T-1),
-    parts), parts' (b, T-1) each: "kl" (k3), "ratio" (ρ, detached), "clipped" (1.0 or 0.0), and
-    "terms" {"pg", "kl"}: the loss's parts as Eq. 1 weighs them (StepStats.term_grads)."""
+    ref_logp (None if β = 0), mask (GSPO's mean): (b, T-1); adv: (b,); tis: tis_weight's, or 1.
+    Where PPO's clipped term wins the min the token has no gradient (`clipped`); CISPO's capped
+    tokens keep −(1 + ε_hi)·A·∇log π. Returns (loss (b, T-1), parts), parts' (b, T-1) each: "kl"
+    (k3), "ratio" (ρ or s_i, detached), "clipped" (1.0 or 0.0), and "terms" {"pg", "kl"}."""
     eps_hi = epsilon_high or epsilon
-    ratio = (logp - old_logp).exp()  # (b, T-1) ρ_it
+    log_ratio = sequence_log_ratio(logp, old_logp, mask) if ratio_level == "sequence" else \
+        logp - old_logp                                                                # (b, T-1)
+    ratio = log_ratio.exp()  # (b, T-1) ρ_it, or GSPO's s_i on each of rollout i's tokens
     A = adv[:, None]                                                                   # (b, 1)
-    surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A) * tis
+    if loss_type == "cispo":  # a capped token keeps its gradient (Eq. 4)
+        surrogate, clipped = cispo_surrogate(ratio, logp, A, eps_hi)
+        surrogate = surrogate * tis
+    else:
+        surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A) * tis
+        clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - epsilon) & (A < 0))
     kl = torch.zeros_like(logp) if ref_logp is None else \
         k3_kl(logp, ref_logp, old_logp if kl_ratio else None)  # (b, T-1) D_KL, Eq. 1
-    clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - epsilon) & (A < 0))
     terms = {"pg": -surrogate, "kl": beta * kl}  # as Eq. 1 weighs them (StepStats.term_grads)
     return -surrogate + beta * kl, {"kl": kl, "ratio": ratio.detach(), "clipped": clipped.float(),
                                     "terms": terms}
@@ -152,27 +184,12 @@ def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl
 
 def aggregate(per_token, mask, mode, n_rows, n_tokens, max_len):
     """This micro-batch's share of the batch loss, so that micro-batches add up to the docstring's
-    L. per_token, mask: (b, T-1); n_rows, n_tokens: rollouts and response tokens in the whole
-    batch."""
+    L. per_token, mask: (b, T-1); n_rows, n_tokens: rollouts and response tokens in the batch."""
     if mode == "seq-mean":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_rows
     if mode == "token-mean":
         return (per_token * mask).sum() / max(n_tokens, 1)
     return (per_token * mask).sum() / (n_rows * max_len)                               # constant
-
-
-def parse_temperatures(adaptive, backend, bottom_p):
-    """--adaptive_temperature as (T_easy, T_hard), or () when off; one line for what cannot run."""
-    if bottom_p < 1 and backend != "hf":
-        raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
-    try:
-        temps = tuple(float(x) for x in adaptive.split(",")) if adaptive else ()
-    except ValueError:
-        temps = None
-    if temps is None or len(temps) not in (0, 2) or any(t <= 0 for t in temps or ()):
-        raise CountdownError("--adaptive_temperature must be EASY,HARD (e.g. 0.6,1.5), not "
-                             f"{adaptive!r}")
-    return temps
 
 
 def row_temperatures(batch, G, T, T_easy_hard):
@@ -192,17 +209,31 @@ def loss_rows(samples, mask_truncated):
     return keep, sum(len(c) for c, k in zip(samples.completion_ids, keep.tolist()) if k)
 
 
+def flat_groups(scores, G):
+    """DAPO §3.2: the groups the verifier scores all right or all wrong, (B*G,) -> (B,), whatever
+    --reward: dense partial credit spreads an all-wrong group's rewards (verl-recipe#125)."""
+    correct = (scores == 1).view(-1, G)                                                 # (B, G)
+    return correct.all(1) | ~correct.any(1)
+
+
+def overlong_penalty(lengths, max_len, buffer, factor):
+    """DAPO Eq. 13, the soft overlong punishment added to the reward: 0 up to max_len − buffer
+    tokens, then linear to −factor at max_len (a rollout the budget cut). lengths (n,) -> (n,)."""
+    return ((max_len - buffer - lengths) / buffer).clamp(-1, 0) * factor
+
+
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward, args.curriculum)
     check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
+    check_choice("ratio_level", args.ratio_level, ("token", "sequence"))
+    check_choice("loss_type", args.loss_type, ("clip", "cispo"))
     T_easy_hard = parse_temperatures(args.adaptive_temperature, args.backend, args.bottom_p)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
-    # π_ref: the frozen init
-    ref = frozen_copy(model) if args.beta > 0 else None
+    ref = frozen_copy(model) if args.beta > 0 else None  # π_ref: the frozen init
     world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     tasks = load_tasks(args.data, "train")
     eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
@@ -224,16 +255,31 @@ def main(argv=None):
     B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
-        # ---- sample: B prompts x G rollouts from the snapshot π_old ----
-        batch = run.next_tasks(tasks, B, curriculum.pool())
-        T, T_rows = row_temperatures(batch, G, args.temperature, T_easy_hard)
-        samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len, T,
-                           args.max_response_len, step_seed(args.seed, step), args.bottom_p,
-                           args.bottom_p_freq)
+        # ---- sample until the batch is full: B prompts x G rollouts from the snapshot π_old ----
+        # (DAPO Alg. 1 with --dynamic_sampling: a group all right or all wrong is left out, A = 0)
+        kept, flat, draws = [], [], 0  # kept, flat: (rollouts, prompt k, task) of sampled groups
+        while draws < args.max_sample_batches and run.mean({"short": len(kept) < B})["short"]:
+            batch = run.next_tasks(tasks, B, curriculum.pool())  # every rank draws as often
+            T, _ = row_temperatures(batch, G, args.temperature, T_easy_hard)
+            samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
+                               T, args.max_response_len, step_seed(args.seed, step, draws),
+                               args.bottom_p, args.bottom_p_freq)
+            is_flat = flat_groups(score_rollouts(samples, batch)[0], G) if args.dynamic_sampling \
+                else [False] * B                                                          # (B,)
+            for k, is_flat_k in enumerate(is_flat):
+                (flat if is_flat_k else kept).append((samples, k, batch[k]))
+            draws += 1
+        n_kept, picks = min(len(kept), B), (kept + flat)[:B]  # cap reached: flat groups fill
+        samples, batch = take_groups([p[:2] for p in picks], G), [p[2] for p in picks]
+        _, T_rows = row_temperatures(batch, G, args.temperature, T_easy_hard)  # the trainer's
         run.sampled()
         # ---- score and advantage ----
         scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
                                         args.no_answer_reward)                 # (B*G,), (B, G)
+        if args.overlong_buffer:  # DAPO Eq. 13 on the reward the advantage sees
+            lengths = torch.tensor([len(c) for c in samples.completion_ids], dtype=torch.float)
+            reward = reward + overlong_penalty(lengths, args.max_response_len, args.overlong_buffer,
+                                               args.overlong_factor).view(B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
         keep, n_tok = loss_rows(samples, args.mask_truncated)  # (B*G,), response tokens in the loss
         # ---- log-probs and loss, per micro-batch; num_iterations optimizer steps on one batch ----
@@ -257,7 +303,8 @@ def main(argv=None):
                 tis = tis_weight(old_logp, sampler_logp, args.tis_cap)  # 1 unless --tis_cap
                 per_token, info = grpo_loss(out["logp"], old_logp, ref_logps.get(i),
                                             adv[rows].to(device), args.beta, args.epsilon,
-                                            args.epsilon_high, args.kl_ratio, tis)
+                                            args.epsilon_high, args.kl_ratio, tis, m,
+                                            args.ratio_level, args.loss_type)
                 if it == 0:  # --term_grads on diagnose steps: an extra backward per term
                     stats.term_grads({k: agg(v, m) for k, v in info["terms"].items()}, 1)
                 loss = agg(per_token, m)
@@ -266,7 +313,10 @@ def main(argv=None):
                 for k, v in (("entropy", out["entropy"]), ("kl", info["kl"]),
                              ("ratio", info["ratio"]), ("clip_frac", info["clipped"]),
                              ("tis_weight", tis)):
-                    stats.token_mean(k, v, m)
+                    if k == "clip_frac" and args.ratio_level == "sequence":  # GSPO: of rollouts
+                        stats.row_mean(k, v[:, 0] * keep[rows].to(device))
+                    else:
+                        stats.token_mean(k, v, m)
                 stats.max("ratio_max", info["ratio"] * m)
                 if it == 0:
                     stats.sampler_gap(out["logp"], sampler_logp, m)
@@ -279,6 +329,12 @@ def main(argv=None):
         # ---- log, evaluate, checkpoint ----
         metrics = {**stats.metrics(args.num_iterations),
                    **rollout_metrics(samples, scores, reward, adv, batch)}
+        if args.dynamic_sampling:  # what the full batch cost, over every rank (a mean x world)
+            n = {k: v * world for k, v in run.mean({"kept": n_kept, "flat": len(flat)}).items()}
+            metrics.update({"train/batches_sampled": draws, "train/groups_kept": n["kept"],
+                            "train/rollouts_sampled": draws * args.batch_size * G,
+                            "train/groups_dropped": (draws - 1) * args.batch_size,
+                            "train/flat_groups": n["flat"] / (draws * args.batch_size)})
         metrics.update(curriculum.update(metrics["train/accuracy"]))  # 001 Alg. 1, every rank's
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing

@@ -164,6 +164,20 @@ def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum",
         raise CountdownError(f"--positive_weight must be >= 0, not {positive_weight}")
 
 
+def parse_temperatures(adaptive, backend, bottom_p):
+    """grpo.py's --adaptive_temperature as (T_easy, T_hard), or () when off; one line for what cannot run."""
+    if bottom_p < 1 and backend != "hf":
+        raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
+    try:
+        temps = tuple(float(x) for x in adaptive.split(",")) if adaptive else ()
+    except ValueError:
+        temps = None
+    if temps is None or len(temps) not in (0, 2) or any(t <= 0 for t in temps or ()):
+        raise CountdownError("--adaptive_temperature must be EASY,HARD (e.g. 0.6,1.5), not "
+                             f"{adaptive!r}")
+    return temps
+
+
 def cli(main):
     """Run `main`; a CountdownError becomes one line on stderr and exit code 2."""
     follow_threads()

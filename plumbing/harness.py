@@ -142,9 +142,10 @@ def warmup_lr(opt, lr, step, warmup_steps):
     return lr
 
 
-def step_seed(seed, step):
-    """The sampler's seed for one step: distinct across steps and across runs of nearby --seed."""
-    return seed * 100_003 + step  # 100,003 is prime and larger than any run's steps
+def step_seed(seed, step, draw=0):
+    """The sampler's seed for one step's `draw`-th batch (grpo.py's --dynamic_sampling samples again):
+    distinct across steps, draws and runs of nearby --seed."""
+    return seed * 100_003 + step + draw * 1_000_003  # primes larger than any run's steps
 
 
 class StepStats:
