@@ -41,7 +41,7 @@ import zipfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from course.handout import INSTRUCTOR, PARTS, function_node, graded  # noqa: E402
-from course.submit import FILES, POINTS, TWIN_OF  # noqa: E402
+from course.submit import EXTRA, FILES, POINTS, TWIN_OF  # noqa: E402
 
 # part -> (the pipeline stage whose test evaluation is graded, its points: course/assignment.md)
 RUNS = {"sft": ("sft", 4), "rloo": ("rloo", 4), "grpo": ("grpo", 3), "ipo": ("ipo", 2), "opd": ("opd", 2)}
@@ -64,8 +64,12 @@ STAGE_ARGS = {
     "opd": ["--init", BASE, "--teacher", TEACHER, *RL],
     "rlt": ["--init", TEACHER, "--student", BASE, *RL, "--max_response_len", "24"],
 }
+# a stage key is its script's name, or SCRIPT:NAME for another run of that script with flags of its own: the
+# optional part's grpo.py calls both of its functions (CISPO's surrogate of GSPO's ratio) on each of 2 passes a batch
+FAMILY = ["--ratio_level", "sequence", "--loss_type", "cispo", "--num_iterations", "2"]
+STAGE_ARGS["grpo:family"] = STAGE_ARGS["grpo"] + FAMILY
 STAGES = {"verifier": ["rloo"], "sft": ["sft"], "ipo": ["ipo"], "rloo": ["rloo", "opd"], "grpo": ["grpo", "rlt"],
-          "opd": ["opd"], "rlt": ["rlt"]}
+          "opd": ["opd"], "rlt": ["rlt"], "grpo_family": ["grpo:family"]}
 # names a graded function has no need of: its body is shown to the instructor when it uses one
 SUSPECT = {"os", "sys", "subprocess", "signal", "builtins", "importlib", "pytest", "test_graded", "hidden_cases",
            "__import__", "exec", "eval", "compile", "open", "globals", "setattr", "modules", "inspect"}
@@ -239,7 +243,8 @@ def differs(got, want, path):
             return f"{path} is {got.dtype} {tuple(got.shape)}, not {value.dtype} {tuple(value.shape)}"
         if grad != got.requires_grad:
             return f"{path} {'is detached' if grad else 'is still attached to the graph'}, unlike the reference's"
-        if not torch.allclose(got.detach(), value, rtol=1e-4, atol=1e-5, equal_nan=True):
+        if not (torch.allclose(got.detach(), value, rtol=1e-4, atol=1e-5, equal_nan=True) if value.is_floating_point()
+                else torch.equal(got, value)):  # a mask (cispo_surrogate's `capped`): every entry
             return f"{path} should be {short(value)}, got {short(got)}"
         return None
     if isinstance(want, dict):
@@ -337,11 +342,22 @@ def hidden(name, fn, cases):
 
 
 # ---- 3. each handed-out stage for 2 steps with the student's functions ----------------------------
-def stage(script, blame, argv, limit, out_path):
-    """In the copy: `script`.main(argv), every name bound to a function of `blame` wrapped so that a
-    crash names the graded function it happened in, or else the one that returned last."""
+def script_of(key):
+    """A stage key's script: the key, or its part before the colon ("grpo:family" runs grpo.py)."""
+    return key.partition(":")[0]
+
+
+def run_name(key):
+    """A stage as its feedback names it: `grpo.py`, or with the flags a keyed stage adds to its script's."""
+    script = script_of(key)
+    return " ".join([f"{script}.py", *STAGE_ARGS[key][len(STAGE_ARGS[script]):]]) if key != script else f"{key}.py"
+
+
+def stage(key, blame, argv, limit, out_path):
+    """In the copy: the stage key's script's main(argv), every name bound to a function of `blame` wrapped
+    so that a crash names the graded function it happened in, or else the one that returned last."""
     import importlib
-    module = importlib.import_module(script)
+    module = importlib.import_module(script_of(key))
     originals = {}
     for q in blame:
         mod, _, name = q.rpartition(".")
@@ -367,7 +383,7 @@ def stage(script, blame, argv, limit, out_path):
         raise Hang()
     signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, limit)
-    result = {"script": script, "ok": True}
+    result = {"script": key, "ok": True}
     try:
         module.main(argv)
     except BaseException as e:  # noqa: BLE001  whatever stopped it, SystemExit and Hang included
@@ -377,8 +393,8 @@ def stage(script, blame, argv, limit, out_path):
         what = f"over {limit:g} s" if isinstance(e, Hang) else f"{type(e).__name__}: {str(e)[:200]}"
         blamed = inside or last[0]
         how = "in it" if inside else "after it returned" if blamed else "before any graded function returned"
-        result = {"script": script, "ok": False, "blame": blamed,
-                  "line": f"{script}.py stopped {how} in 2 steps: {what} ({where})"}
+        result = {"script": key, "ok": False, "blame": blamed,
+                  "line": f"{run_name(key)} stopped {how} in 2 steps: {what} ({where})"}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     with open(out_path, "a") as f:
@@ -470,12 +486,14 @@ def grade_runs(files, parts):
 # ---- one submission, then the class -----------------------------------------------------------------
 def grade_one(archive, parts, cases_path, limit):
     """One archive's grade: {"submission", "functions": {q: {"ok", "line", "visible"}}, "code_points",
-    "code_possible", "run_points", "run_possible", "runs": {stage: pass@1}, "lines", "flags"}."""
+    "code_possible", "extra_points", "extra_possible" (the optional part's, over the 100), "run_points",
+    "run_possible", "runs": {stage: pass@1}, "lines", "flags"}."""
     name = os.path.basename(archive)
     name = name[:-7] if name.endswith(".tar.gz") else os.path.splitext(name)[0]
     functions = graded(parts)
     result = {"submission": name, "functions": {}, "flags": [], "lines": [], "code_points": 0,
-              "code_possible": sum(POINTS[q] for q in functions if q in POINTS), "run_points": 0,
+              "code_possible": sum(POINTS[q] for q in functions if q in POINTS and q not in EXTRA), "extra_points": 0,
+              "extra_possible": sum(POINTS[q] for q in functions if q in EXTRA), "run_points": 0,
               "run_possible": sum(RUNS[p][1] for p in parts if p in RUNS), "runs": {}}
     try:
         files = members(archive)
@@ -505,16 +523,17 @@ def grade_one(archive, parts, cases_path, limit):
         passing = [q for q in functions if q not in failed]
         staged = os.path.join(tmp, "staged")
         build(files, passing, staged)
-        for script in dict.fromkeys(s for p in parts for s in STAGES[p]):  # each script once
-            mine = [q for p in parts if script in STAGES[p] for q in graded([p]) if q in passing]
+        for key in dict.fromkeys(s for p in parts for s in STAGES[p]):  # each stage once
+            mine = [q for p in parts if key in STAGES[p] for q in graded([p]) if q in passing]
             if not mine:
                 continue
-            slog, out_dir = os.path.join(tmp, f"stage-{script}.jsonl"), os.path.join(tmp, f"run-{script}")
-            run_here(staged, ["--stage", script, "--blame", ",".join(passing), "--limit", str(STAGE_LIMIT),
-                              "--result", slog, "--argv", json.dumps(STAGE_ARGS[script] + ["--output_dir", out_dir])],
+            tag = key.replace(":", "-")  # grpo:family: stage-grpo-family.jsonl, run-grpo-family/
+            slog, out_dir = os.path.join(tmp, f"stage-{tag}.jsonl"), os.path.join(tmp, f"run-{tag}")
+            run_here(staged, ["--stage", key, "--blame", ",".join(passing), "--limit", str(STAGE_LIMIT),
+                              "--result", slog, "--argv", json.dumps(STAGE_ARGS[key] + ["--output_dir", out_dir])],
                      env, STAGE_LIMIT + 60)
             outcome = (read_lines(slog) or [{"ok": False, "blame": None,
-                                             "line": f"{script}.py was killed at its time limit"}])[0]
+                                             "line": f"{run_name(key)} was killed at its time limit"}])[0]
             if not outcome["ok"] and outcome["blame"]:
                 failed.setdefault(outcome["blame"], f"{outcome['blame'].rpartition('.')[2]}: {outcome['line']}")
             elif not outcome["ok"]:  # before any of the student's functions returned: ours to fix, not theirs
@@ -522,8 +541,10 @@ def grade_one(archive, parts, cases_path, limit):
         for q in functions:
             result["functions"][q] = {"ok": q not in failed, "line": failed.get(q, "passed"),
                                       "visible": verdicts[q].get("visible")}
-        result["code_points"] = sum(pts for q, pts in POINTS.items() if q in functions and all(
-            result["functions"][x]["ok"] for x in [q, *[t for t, o in TWIN_OF.items() if o == q]] if x in functions))
+        earned = {q: pts for q, pts in POINTS.items() if q in functions and all(
+            result["functions"][x]["ok"] for x in [q, *[t for t, o in TWIN_OF.items() if o == q]] if x in functions)}
+        result["code_points"] = sum(pts for q, pts in earned.items() if q not in EXTRA)
+        result["extra_points"] = sum(pts for q, pts in earned.items() if q in EXTRA)
     result["run_points"], _, result["runs"], run_lines = grade_runs(files, parts)
     result["lines"] += run_lines
     return result
@@ -549,7 +570,9 @@ def read_lines(path):
 
 def feedback(r):
     """The text a student gets: each function's verdict, the points, each run against its target."""
-    lines = [f"{r['submission']}: code {r['code_points']} of {r['code_possible']}, "
+    extra = f", extra {r['extra_points']} of {r['extra_possible']} (the optional part)" if r.get("extra_possible") \
+        else ""
+    lines = [f"{r['submission']}: code {r['code_points']} of {r['code_possible']}{extra}, "
              f"runs {r['run_points']} of {r['run_possible']}; written answers: graded by the instructor"]
     for q, v in r["functions"].items():
         lines.append(f"{'ok  ' if v['ok'] else 'FAIL'} {q}" + ("" if v["ok"] else f": {v['line']}"))
@@ -559,18 +582,21 @@ def feedback(r):
 def write_csv(results, functions, path):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["submission", "code_points", "code_possible", "run_points", "run_possible", "written_points",
-                    "flags", *functions, *[f"pass@1 {s}" for s in ("sft", "rloo", "grpo", "ipo", "opd")]])
+        w.writerow(["submission", "code_points", "code_possible", "run_points", "run_possible", "extra_points",
+                    "extra_possible", "written_points", "flags", *functions,
+                    *[f"pass@1 {s}" for s in ("sft", "rloo", "grpo", "ipo", "opd")]])
         for r in results:
             w.writerow([r["submission"], r["code_points"], r["code_possible"], r["run_points"], r["run_possible"],
-                        "", "; ".join(r["flags"]), *["pass" if r["functions"][q]["ok"] else "fail" for q in functions],
+                        r["extra_points"], r["extra_possible"], "", "; ".join(r["flags"]),
+                        *["pass" if r["functions"][q]["ok"] else "fail" for q in functions],
                         *["" if r["runs"].get(s) is None else f"{r['runs'][s]:.3f}"
                           for s in ("sft", "rloo", "grpo", "ipo", "opd")]])
 
 
 def gradescope(r):
     """Gradescope's results.json: per function its points (all or nothing, published with the
-    grades: they include the hidden cases) and its visible verdict at once (0 points); each run."""
+    grades: they include the hidden cases) and its visible verdict at once (0 points); each run. The
+    optional part's points are extra credit: a max_score of 0, so they add over the assignment's total."""
     tests = []
     for q, v in r["functions"].items():
         tests.append({"name": f"{q}: the visible check", "score": 0, "max_score": 0, "output": v["visible"],
@@ -578,8 +604,9 @@ def gradescope(r):
         if q in POINTS:
             twins = [t for t, o in TWIN_OF.items() if o == q and t in r["functions"]]
             earned = all(r["functions"][x]["ok"] for x in [q, *twins])
-            tests.append({"name": q + (f" (with {', '.join(twins)})" if twins else ""),
-                          "score": POINTS[q] if earned else 0, "max_score": POINTS[q], "visibility": "after_published",
+            tests.append({"name": q + (f" (with {', '.join(twins)})" if twins else "")
+                          + (" (extra credit: the optional part)" if q in EXTRA else ""), "score": POINTS[q] if earned
+                          else 0, "max_score": 0 if q in EXTRA else POINTS[q], "visibility": "after_published",
                           "output": "passed: visible and hidden cases, the 2-step run" if earned else
                           "; ".join(r["functions"][x]["line"] for x in [q, *twins] if not r["functions"][x]["ok"])})
     for line in r["lines"]:
@@ -644,7 +671,9 @@ def main():
             with open(os.path.join(a.out, f"{r['submission']}.txt"), "w") as f:
                 f.write(feedback(r))
             print(f"{r['submission']}: code {r['code_points']}/{r['code_possible']}, runs {r['run_points']}/"
-                  f"{r['run_possible']}" + "".join(f"; {x}" for x in r["lines"] if x.startswith(r["submission"]))
+                  f"{r['run_possible']}" + (f", extra {r['extra_points']}/{r['extra_possible']}" if r["extra_possible"]
+                                            else "")
+                  + "".join(f"; {x}" for x in r["lines"] if x.startswith(r["submission"]))
                   + (f"; flagged: {'; '.join(r['flags'])}" if r["flags"] else ""), flush=True)
     os.remove(cases_path)
     if a.gradescope:

@@ -4,7 +4,7 @@ and lose their body, for students to write. tests/test_graded.py checks each on 
 course/assignment.md is the students' page, course/instructor.md the key that stays with the instructor,
 course/grade.py the grading on the instructor's side.
 
-  python course/handout.py ../handout                 # every part
+  python course/handout.py ../handout                 # every part, the optional grpo_family too
   python course/handout.py ../handout rloo grpo       # some parts (or module.function names)
   cd ../handout && python -m pytest tests/test_graded.py -n 0    # fails, naming each blank
 
@@ -30,6 +30,9 @@ PARTS = {
     "grpo": ["grpo.grpo_advantages", "grpo.grpo_loss", "grpo.aggregate"],
     "opd": ["opd.opd_loss"],
     "rlt": ["rlt.reward_parts", "rlt.rlt_reward"],
+    # the optional part, not in the short track: extra points over the seven parts' 100 (course/submit.py's EXTRA).
+    # No twin: grpo_loss calls these two, it holds none of their lines
+    "grpo_family": ["grpo.sequence_log_ratio", "grpo.cispo_surrogate"],
 }
 # each script reads alone, so a few lessons have a twin in another script: blanked together
 TWINS = {

@@ -111,6 +111,26 @@ def _grpo_loss(g):
     return out
 
 
+def _sequence_log_ratio(g):
+    out = []
+    for b, t in ((4, 6), (2, 5)):
+        logp, _, mask = _seqs(g, b, t)
+        old = logp.detach() + torch.randn(b, t, generator=g) * 0.4
+        out.append((f"({b}, {t}) log-probs, log π_old = log π_θ + N(0, 0.4²), right-padded masks of 1 to {t} tokens",
+                    [logp, old, mask], {}))
+    return out
+
+
+def _cispo_surrogate(g):
+    out = []
+    for eps_hi in (0.28, 0.2):
+        logp = _logp(g, 3, 5)
+        ratio = (torch.rand(3, 5, generator=g) * 1.7 + 0.3).requires_grad_()  # 0.3 to 2: under 1 − ε and over 1 + ε
+        out.append((f"(3, 5) ratios from 0.3 to 2, A (3, 1) drawn from N(0, 1), ε_hi {eps_hi}",
+                    [ratio, logp, torch.randn(3, 1, generator=g), eps_hi], {}))
+    return out
+
+
 def _aggregate(g):
     return [(f"(3, 5) per-token, mode {m!r}, n_rows 6, n_tokens 19, max_len 7",
              [torch.randn(3, 5, generator=g).requires_grad_(), _mask(g, 3, 5), m, 6, 19, 7], {})
@@ -158,7 +178,8 @@ CASES = {
     "common.k3_kl": _k3, "rloo.rloo_loss": _rloo_loss, "grpo.grpo_advantages": _grpo_adv,
     "rlt.grpo_advantages": _grpo_adv, "grpo.grpo_loss": _grpo_loss, "rlt.rlt_loss": _rlt_loss,
     "grpo.aggregate": _aggregate, "opd.opd_loss": _opd_loss, "rlt.reward_parts": _reward_parts,
-    "rlt.rlt_reward": _rlt_reward,
+    "rlt.rlt_reward": _rlt_reward, "grpo.sequence_log_ratio": _sequence_log_ratio,
+    "grpo.cispo_surrogate": _cispo_surrogate,
 }
 
 

@@ -30,7 +30,9 @@ POINTS = {"verifier.score": 4, "verifier.dense_score": 2, "sft.sft_loss": 6, "rl
           "rloo.importance_weights": 3, "common.k3_kl": 3, "rloo.rloo_loss": 5,
           "grpo.grpo_advantages": 3, "grpo.grpo_loss": 5, "grpo.aggregate": 4, "ipo.ipo_loss": 3,
           "ipo.sequence_logp": 2, "ipo.rpo_nll": 2, "opd.opd_loss": 4, "rlt.reward_parts": 3,
-          "rlt.rlt_reward": 2}
+          "rlt.rlt_reward": 2, "grpo.sequence_log_ratio": 4, "grpo.cispo_surrogate": 3}
+# the optional part's (GSPO and CISPO): extra points, over the seven parts' 100, counted apart
+EXTRA = {"grpo.sequence_log_ratio", "grpo.cispo_surrogate"}
 TWIN_OF = {"opd.rloo_advantages": "rloo.rloo_advantages", "rlt.grpo_advantages": "grpo.grpo_advantages",
            "rlt.rlt_loss": "grpo.grpo_loss"}
 
@@ -100,8 +102,11 @@ def main():
                 tar.add(os.path.join(ROOT, f), arcname=f)
     for q, status in result.items():
         print(f"{'ok  ' if status == 'passed' else 'FAIL'} {q}" + ("" if status == "passed" else f": {status}"))
-    print(f"local check: {sum(earned.values())} of {sum(POINTS[q] for q in earned)} code points on the visible "
-          f"cases (the instructor's grade adds hidden cases and a 2-step run of each stage)")
+    extra = {q: earned.pop(q) for q in EXTRA if q in earned}  # the optional part's, over the 100
+    points = [f"{sum(earned.values())} of {sum(POINTS[q] for q in earned)} code points"] if earned or not extra else []
+    points += [f"{sum(extra.values())} of {sum(POINTS[q] for q in extra)} extra points (the optional part)"] if extra else []
+    print(f"local check: {' and '.join(points)} on the visible cases (the instructor's grade adds hidden cases and "
+          f"a 2-step run of each stage)")
     evaluations = [r for r in runs if r.endswith("summary.json")]
     for r in evaluations:
         print(f"run: {os.path.relpath(r, ROOT)}: test pass@1 {_pass1(r)}"

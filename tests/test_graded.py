@@ -48,10 +48,11 @@ def close(fn, got, want, what, atol=1e-5, hints=()):
 
 # ---- the return contract: what the scripts read of each function's result ----------------------
 class T(NamedTuple):
-    """A float32 tensor of `shape`; grad True: must carry a gradient (backward() goes through it),
-    False: must be detached, None: either."""
+    """A tensor of `shape` and `dtype` (float32 unless said); grad True: must carry a gradient
+    (backward() goes through it), False: must be detached, None: either."""
     shape: tuple
     grad: bool = None
+    dtype: torch.dtype = torch.float32
 
 
 NUMBER = "a number"  # a Python float (or int): verifier's rewards
@@ -66,7 +67,7 @@ def conforms(fn, got, spec, path, reads):
     elif isinstance(spec, T):
         expect(fn, isinstance(got, torch.Tensor), f"returns {type(got).__name__} as {path}, not a tensor ({reads})")
         expect(fn, tuple(got.shape) == spec.shape, f"returns {path} of shape {tuple(got.shape)}, not {spec.shape} ({reads})")
-        expect(fn, got.dtype == torch.float32, f"returns {path} as {got.dtype}, not torch.float32 ({reads})")
+        expect(fn, got.dtype == spec.dtype, f"returns {path} as {got.dtype}, not {spec.dtype} ({reads})")
         expect(fn, spec.grad is not True or got.requires_grad, f"returns {path} detached: backward() through it "
                f"would not reach the model ({reads})")
         expect(fn, spec.grad is not False or not got.requires_grad, f"returns {path} still attached to the graph: "
@@ -243,6 +244,75 @@ def check_aggregate(fn):
               f"batch's counts, not its own){inputs}, one row a micro-batch")
 
 
+# ---- grpo.py's family: GSPO's ratio and CISPO's surrogate (the optional part) ------------------------
+def check_sequence_log_ratio(fn):
+    log2, log15 = math.log(2), math.log(1.5)
+    one = fn(torch.log(torch.tensor([[2.0, 0.5, 1.0]])), torch.zeros(1, 3), torch.ones(1, 3))
+    close(fn, one, [[0.0] * 3], "log s_i is the mean over the rollout's tokens of log ρ_it = log π_θ − log π_old, so "
+          "s_i is the GEOMETRIC mean of the token ratios (GSPO), and every token of the row carries it; ratios "
+          "[2, 0.5, 1]: s_i 1", hints=[([[math.log(7 / 6)] * 3], "that is the log of their arithmetic mean (7/6), not "
+                                        "of their geometric mean"),
+                                       ([[log2, -log2, 0.0]], "those are the tokens' own log ρ_it (PPO's ratio), not "
+                                        "the rollout's mean"),
+                                       ([[1.0] * 3], "that is s_i, not its log: grpo_loss takes .exp() of what this returns")])
+    logp = torch.log(torch.tensor([[1.5, 1.5, 1.5], [2.0, 2.0, 100.0]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    inputs = "ratios [[1.5, 1.5, 1.5], [2, 2, (100 masked)]]"
+    out = fn(logp, torch.zeros(2, 3), mask)
+    close(fn, out, [[log15] * 3, [log2] * 3], "a masked token is left out of the mean (its ratio does not enter, and "
+          "the row divides by its own token count, 2), yet every token of the row carries log s_i, the masked one too "
+          f"(the caller's mask drops it later); {inputs}",
+          hints=[([[log15] * 3, [math.log(400) / 3] * 3], "that takes the masked token's ratio 100 into the mean"),
+                 ([[log15] * 3, [2 * log2 / 3] * 3], "that divides by the padded length T (3), not the row's own token "
+                  "count (2)"),
+                 ([[3 * log15] * 3, [2 * log2] * 3], "that is the sum of the log-ratios, not their mean"),
+                 ([[log15] * 3, [log2, log2, 0.0]], "that leaves the masked token without log s_i")])
+    c = torch.tensor([[1.0, 2.0, 3.0]] * 2)  # distinct weights: a token's gradient must be its own token's only
+    grad = torch.autograd.grad((out.exp() * c).sum(), logp)[0] if out.requires_grad else None
+    close(fn, grad, [[1.5, 3.0, 4.5], [2.0, 4.0, 6.0]], "each token carries s_i with its OWN token's gradient, "
+          "sg[s_i]·π_θ(y_it)/sg[π_θ(y_it)]: d s_it / d log π_θ(y_it') is s_i where t' = t and 0 elsewhere, the mean "
+          f"itself detached; the gradient of Σ_t c_t·s_it with c [1, 2, 3], s_i 1.5 and 2, {inputs}",
+          hints=[([[4.5, 6.0, 7.5], [8.0, 10.0, 6.0]], "that is with the mean not detached: its gradient spreads over "
+                  "the row's tokens")])
+
+
+def check_cispo_surrogate(fn):
+    ratios = [1.5, 1.1, 0.5, 0.9]
+    logs = [math.log(r) for r in ratios]
+    inputs = "ratios [1.5, 1.1, 0.5, 0.9] (π_old 1: log π_θ = log ρ), ε_hi 0.2"
+
+    def per_token(weight, A):  # weight(ρ) · A · log π_θ on each token
+        return [[weight(r) * A * lp for r, lp in zip(ratios, logs)]]
+    for A in (1.0, -1.0):
+        logp = torch.log(torch.tensor([ratios])).requires_grad_()
+        out, capped = fn(logp.exp(), logp, torch.tensor([[A]]), 0.2)  # ρ carries log π_θ's gradient, as in grpo_loss
+        close(fn, out, per_token(lambda r: min(r, 1.2), A), "CISPO's surrogate is sg(min(ρ, 1 + ε_hi))·A·log π_θ per "
+              "token (MiniMax-M1 Eq. 4): REINFORCE weighted by the ratio capped above only, so a ratio 0.5 keeps its "
+              f"weight 0.5; {inputs}, A {A:g}",
+              hints=[(per_token(lambda r: min(max(r, 0.8), 1.2), A), "that also floors the weight at 1 − ε_hi: "
+                      "CISPO has no lower cap"),
+                     (per_token(lambda r: r, A), "that is the ratio uncapped: the cap is 1 + ε_hi"),
+                     (per_token(lambda r: min(r, 0.2), A), "that caps at ε_hi itself (TRL's absolute cap), not at "
+                      "1 + ε_hi (verl's offset, this repo's --epsilon_high)"),
+                     ([[min(r, 1.2) * A for r in ratios]], "that is the weight times A, without log π_θ")])
+        close(fn, capped, [[1.0, 0.0, 0.0, 0.0]], "the second value marks the tokens where the cap binds, ρ > 1 + "
+              "ε_hi, whatever the sign of A (CISPO caps the weight either way; PPO's `clipped` depends on A); "
+              f"{inputs}, A {A:g}")
+        grad = torch.autograd.grad(out.sum(), logp)[0] if out.requires_grad else None
+        close(fn, grad, [[min(r, 1.2) * A for r in ratios]], "the weight is detached: each token's gradient is "
+              "sg(w)·A alone, with no ρ·A·log π_θ from the ratio's own gradient, and the capped token keeps its "
+              f"gradient (1.2·A, where PPO's clip leaves none); d/d log π_θ, {inputs}, A {A:g}",
+              hints=[([[1.2 * A] + [r * A * (1 + lp) for r, lp in zip(ratios[1:], logs[1:])]], "that is with the "
+                      "weight not detached: the ratio's gradient adds ρ·A·log π_θ")])
+    logp = torch.log(torch.tensor([ratios]))
+    out, capped = fn(logp.exp(), logp, torch.tensor([[1.0]]), 0.6)
+    close(fn, torch.cat([out, capped.float()]), per_token(lambda r: r, 1.0) + [[0.0] * 4], "ε_hi is an offset from 1 "
+          "(verl's convention, as --epsilon_high): the cap is 1 + ε_hi = 1.6, which no ratio here reaches, so "
+          "nothing is capped (the surrogate, then the capped marks); ratios [1.5, 1.1, 0.5, 0.9], ε_hi 0.6, A 1",
+          hints=[(per_token(lambda r: min(r, 0.6), 1.0) + [[1.0, 1.0, 0.0, 1.0]], "that caps at ε_hi itself (TRL's "
+                  "absolute cap)")])
+
+
 def check_rlt_loss(fn):
     logp, old = torch.log(torch.tensor([[1.5, 1.1, 0.5, 0.9]])), torch.zeros(1, 4)  # ρ per token
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
@@ -379,6 +449,11 @@ CONTRACTS = {  # module.function: (its arguments, what it returns, who reads it)
                                    "terms": {"pg": T((2, 3), True), "kl": T((2, 3), True)}})), "grpo.py's loop"),
     "grpo.aggregate": (lambda: ([_logp(2, 3), MASK, "token-mean", 2, 3, 3], {}), T((), True),
                        "grpo.py's loop: backward()"),
+    "grpo.sequence_log_ratio": (lambda: ([_logp(2, 3), -torch.rand(2, 3), MASK], {}), T((2, 3), True),
+                                "grpo_loss: ratio = log_ratio.exp(), its gradient the model's"),
+    "grpo.cispo_surrogate": (lambda: ([(_logp(2, 3) + 0.6).exp(), _logp(2, 3), torch.tensor([[0.5], [-0.5]]), 0.28], {}),
+                             (("the surrogate", T((2, 3), True)), ("capped", T((2, 3), False, torch.bool))),
+                             "grpo_loss: surrogate, clipped = cispo_surrogate(...)"),
     "opd.opd_loss": (lambda: ([_logp(2, 3), -torch.rand(2, 3), torch.rand(2, 3, requires_grad=True),
                                torch.rand(2, 3, requires_grad=True), MASK, torch.tensor([0.5, -0.5]), 0.5, 0.5,
                                1e-3, 10.0], {}),
@@ -433,6 +508,8 @@ GRADED = [
     Graded("opd", "opd_loss", check_opd_loss, "opd"),
     Graded("rlt", "reward_parts", check_reward_parts, "rlt"),
     Graded("rlt", "rlt_reward", check_rlt_reward, "rlt"),
+    Graded("grpo", "sequence_log_ratio", check_sequence_log_ratio, "grpo_family"),  # optional: GSPO's ratio
+    Graded("grpo", "cispo_surrogate", check_cispo_surrogate, "grpo_family"),  # optional: CISPO's surrogate
 ]
 IDS = [f"{e.module}.{e.function}" for e in GRADED]
 

@@ -4,8 +4,9 @@ together, and the grading command (course/grade.py) tried on a class of archives
 - A blanked body fails its grader as "not written yet"; a correct function whose callee is blank
   says "calls X, which is not written yet".
 - A zero stub gets a message that first says what it returned, not a mistake it did not make.
-- A plausible mistake (MISTAKES: an edit of the reference's source, which is why this file stays
-  with the instructor) fails with a message that names the property it breaks.
+- A plausible mistake (MISTAKES, and MORE_MISTAKES where a function has several: an edit of the
+  reference's source, which is why this file stays with the instructor) fails with a message that
+  names the property it breaks.
 - Every part's handout leaves no line of a blanked body anywhere in the student's copy, and links
   to no file it leaves out.
 - A function that returns fewer keys than the scripts read fails naming the missing one; the
@@ -48,6 +49,18 @@ MISTAKES = {
     "verifier.score": ("== target else 0.1", "== target else 0.0", "present but wrong"),
     "verifier.dense_score": ("max(0.0, 1.0 - float(abs(value - target))", "(1.0 - float(abs(value - target))",
                              "the max with 0"),
+    "grpo.sequence_log_ratio": ("seq.detach()", "(((logp - old_logp).exp() * mask).sum(-1, keepdim=True) "
+                                "/ mask.sum(-1, keepdim=True)).log().detach()", "arithmetic mean"),  # of the ratios
+    "grpo.cispo_surrogate": ("ratio.clamp(max=1 + eps_hi).detach()", "ratio.clamp(max=1 + eps_hi)", "not detached"),
+}
+# a function's other typical mistakes, beyond its row above: [(reference fragment, mistake, what the failure names)]
+MORE_MISTAKES = {
+    "grpo.sequence_log_ratio": [("seq.detach() + logp", "seq + logp", "mean not detached"),  # the mean's gradient
+                                ("seq.detach() + logp - logp.detach()", "seq.detach() + 0 * logp",
+                                 "OWN token's gradient")],  # the right values, no per-token gradient
+    "grpo.cispo_surrogate": [("ratio.clamp(max=1 + eps_hi)", "ratio.clamp(1 - eps_hi, 1 + eps_hi)",
+                              "capped above only"),  # PPO's lower clip added
+                             ("ratio > 1 + eps_hi", "(ratio > 1 + eps_hi) & (A > 0)", "whatever the sign of A")],
 }
 
 
@@ -82,7 +95,7 @@ def reference(entry):
 
 
 def test_every_graded_function_has_a_mistake_and_a_part():
-    assert sorted(MISTAKES) == sorted(IDS)
+    assert sorted(MISTAKES) == sorted(IDS) and set(MORE_MISTAKES) <= set(IDS)
     parts = {q for qs in PARTS.values() for q in to_blank(qs)}
     assert set(IDS) <= parts, sorted(set(IDS) - parts)
 
@@ -108,10 +121,9 @@ def test_a_zero_stub_is_told_what_it_returned_not_a_mistake_it_did_not_make(entr
     assert message is not None and message.startswith(f"{entry.function}: returns "), message
 
 
-@pytest.mark.parametrize("entry", GRADED, ids=IDS)
-def test_a_wrong_function_fails_its_grader_naming_the_mistake(entry):
+def assert_named(entry, old, new, keyword):
+    """entry's reference with `old` (once in it) typed as `new` fails its grader naming `keyword`."""
     reference(entry)
-    old, new, keyword = MISTAKES[f"{entry.module}.{entry.function}"]
 
     def mistake(src, node):
         seg = ast.get_source_segment(src, node)
@@ -120,6 +132,21 @@ def test_a_wrong_function_fails_its_grader_naming_the_mistake(entry):
     message = failure(entry, variant(entry, mistake))
     assert message is not None and message.startswith(f"{entry.function}: ") and keyword in message, \
         f"{entry.module}.{entry.function} with {old!r} -> {new!r}: {message}"
+
+
+@pytest.mark.parametrize("entry", GRADED, ids=IDS)
+def test_a_wrong_function_fails_its_grader_naming_the_mistake(entry):
+    assert_named(entry, *MISTAKES[f"{entry.module}.{entry.function}"])
+
+
+MORE = [(q, m) for q, ms in MORE_MISTAKES.items() for m in ms]
+
+
+@pytest.mark.parametrize("q,mistake", MORE, ids=[f"{q}: {m[2]}" for q, m in MORE])
+def test_each_other_typical_mistake_fails_naming_itself(q, mistake):
+    """GSPO's ratio with the mean not detached or no per-token gradient (its values right, its
+    gradient not); CISPO's weight floored at 1 − ε too, its `capped` marks only where A > 0."""
+    assert_named(next(e for e in GRADED if f"{e.module}.{e.function}" == q), *mistake)
 
 
 def test_a_correct_function_whose_callee_is_blank_says_so():
@@ -217,7 +244,7 @@ def test_a_short_track_student_who_writes_two_functions_is_checked_on_the_short_
 
 def test_the_assignment_and_the_submit_step_give_the_same_points():
     """course/assignment.md's code points per function are course/submit.py's, and each part's
-    total is its heading's."""
+    total is its heading's: seven parts of 100, and the optional part's extra points over them."""
     import re
     from course.submit import POINTS
     page = open(os.path.join(ROOT, "course/assignment.md")).read()
@@ -225,6 +252,11 @@ def test_the_assignment_and_the_submit_step_give_the_same_points():
     assert {q: found.get(q) for q in POINTS} == POINTS
     parts = re.findall(r"^## Part \d+\. .*?\((\d+) points", page, re.M)
     assert len(parts) == 7 and sum(map(int, parts)) == 100, parts
+    from course.submit import EXTRA  # the optional part: its heading's extra points are its code's and written's
+    optional = page.split("\n## Optional part. ", 1)[1]
+    written = re.search(r"\*\*Written\*\* \((\d+) points?\)", optional)
+    assert optional.startswith(f"GSPO and CISPO ({sum(POINTS[q] for q in EXTRA) + int(written.group(1))} extra "
+                               "points"), optional[:80]
 
 
 # ---- the whole contract, and the hidden cases -----------------------------------------------------
@@ -479,8 +511,9 @@ def test_the_instructors_key_quotes_runs_it_can_name():
 
 @pytest.mark.slow
 def test_the_reference_files_earn_every_code_point_every_stage_running(tmp_path):
-    """The repo's own files as a submission of every part: 55 of 55, each stage's 2-step run (sft,
-    ipo, rloo, grpo, opd, rlt) going through with grade.py's flags."""
+    """The repo's own files as a submission of every part: 55 of 55, and the optional part's 7 extra
+    of 7, each stage's 2-step run (sft, ipo, rloo, grpo, opd, rlt, and grpo:family, grpo.py with GSPO's
+    ratio and CISPO's surrogate) going through with grade.py's flags."""
     import csv
     import subprocess
     import sys
@@ -494,7 +527,29 @@ def test_the_reference_files_earn_every_code_point_every_stage_running(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(csv.DictReader(open(tmp_path / "g" / "grades.csv")))
     assert (row["code_points"], row["code_possible"]) == ("55", "55"), (tmp_path / "g" / "key.txt").read_text()
+    assert (row["extra_points"], row["extra_possible"]) == ("7", "7"), (tmp_path / "g" / "key.txt").read_text()
     assert "GRADER ERROR" not in r.stdout, r.stdout  # each stage's flags run
+
+
+def test_the_optional_parts_stage_calls_both_of_its_functions(tmp_path, monkeypatch):
+    """grade.py's stage of the optional part, grpo:family, is grpo.py's grpo stage with GSPO's ratio
+    and CISPO's surrogate on (both at once: grpo_loss takes CISPO's weight of GSPO's s_i): its 2 steps
+    call the student's two functions, every pass, or a body that crashes the script would pass."""
+    import grpo
+    from course.grade import STAGE_ARGS, STAGES, run_name, script_of
+    assert STAGES["grpo_family"] == ["grpo:family"] and script_of("grpo:family") == "grpo"
+    assert STAGE_ARGS["grpo:family"][:len(STAGE_ARGS["grpo"])] == STAGE_ARGS["grpo"]
+    assert run_name("grpo:family") == "grpo.py --ratio_level sequence --loss_type cispo --num_iterations 2"
+    calls = {"sequence_log_ratio": 0, "cispo_surrogate": 0}
+    for name in calls:
+        def counted(*args, _real=getattr(grpo, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(grpo, name, counted)
+    monkeypatch.setenv("COUNTDOWN_CPU_BF16", "0")  # as grade.py runs its stages
+    monkeypatch.chdir(ROOT)  # the shipped models, by the relative paths grade.py's copy has
+    grpo.main(STAGE_ARGS["grpo:family"] + ["--output_dir", str(tmp_path / "run")])
+    assert calls["sequence_log_ratio"] == calls["cispo_surrogate"] >= 2 * 2, calls  # 2 steps x 2 passes, at least
 
 
 @pytest.mark.parametrize("q", ["sft.sft_loss", "rloo.rloo_loss", "grpo.grpo_loss", "grpo.aggregate", "opd.opd_loss"])
