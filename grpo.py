@@ -38,7 +38,7 @@ from common import (autocast, data_parallel, k3_kl, make_curriculum, make_sample
                     mix_reference, probe, rollout_metrics, rollouts, score_rollouts, take_groups,
                     token_stats)
 from evaluate import eval_metrics
-from plumbing.flags import (RLArgs, arg, check_choice, check_rl_args, cli, parse_args,
+from plumbing.flags import (RLArgs, arg, check_choice, check_family, check_rl_args, cli, parse_args,
                             parse_temperatures, seed_everything)
 from plumbing.harness import Run, frozen_copy, load_policy, prepare_run, step_seed, warmup_lr
 from plumbing.tasks import load_tasks
@@ -226,8 +226,8 @@ def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward, args.curriculum)
     check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
-    check_choice("ratio_level", args.ratio_level, ("token", "sequence"))
-    check_choice("loss_type", args.loss_type, ("clip", "cispo"))
+    check_family(args.ratio_level, args.loss_type, args.max_sample_batches, args.overlong_buffer,
+                 args.max_response_len)
     T_easy_hard = parse_temperatures(args.adaptive_temperature, args.backend, args.bottom_p)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)

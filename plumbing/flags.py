@@ -164,8 +164,20 @@ def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum",
         raise CountdownError(f"--positive_weight must be >= 0, not {positive_weight}")
 
 
+def check_family(ratio_level, loss_type, sample_batches, buffer, max_len):
+    """grpo.py's GSPO, CISPO and DAPO flags: one line for a value they cannot take."""
+    check_choice("ratio_level", ratio_level, ("token", "sequence"))
+    check_choice("loss_type", loss_type, ("clip", "cispo"))
+    if sample_batches < 1:
+        raise CountdownError(f"--max_sample_batches must be at least 1, not {sample_batches}")
+    if not 0 <= buffer <= max_len:
+        raise CountdownError(f"--overlong_buffer must be 0 (off) to --max_response_len "
+                             f"({max_len}), not {buffer}")
+
+
 def parse_temperatures(adaptive, backend, bottom_p):
-    """grpo.py's --adaptive_temperature as (T_easy, T_hard), or () when off; one line for what cannot run."""
+    """grpo.py's --adaptive_temperature as (T_easy, T_hard), or () when off; one line for what
+    cannot run."""
     if bottom_p < 1 and backend != "hf":
         raise CountdownError("--bottom_p needs --backend hf: vLLM has no bottom-p sampling")
     try:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import GEN
+from conftest import GEN, run_cli
 
 import grpo
 
@@ -197,3 +197,11 @@ def test_each_variant_runs_two_steps(tiny_ckpt, tmp_path, monkeypatch, flags):
         assert max(r["train/clip_frac"] for r in rows) > 0  # lr 1e-3 moves s_i past 1 ± 4e-4
     if "--overlong_buffer" in flags:  # 6-token budget, buffer 4: rollouts cut at 6 earn −0.5
         assert min(r["train/reward"] for r in rows) < 0
+
+
+@pytest.mark.parametrize("flags", [["--max_sample_batches", "0"], ["--overlong_buffer", "-4"],
+                                   ["--overlong_buffer", "7"], ["--ratio_level", "seq"], ["--loss_type", "gspo"]])
+def test_a_family_flag_it_cannot_take_is_one_line(tiny_ckpt, tmp_path, flags):
+    """A bad value stops before anything loads, with one line naming the flag (budget: 6 tokens)."""
+    r = run_cli("grpo.py", "--init", tiny_ckpt, *ONE, *flags, "--output_dir", str(tmp_path / "run"))
+    assert r.returncode == 2 and flags[0] in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
