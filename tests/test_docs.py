@@ -123,6 +123,55 @@ def test_readme_is_a_walkthrough_not_a_log():
     hashes = re.findall(r"`[0-9a-f]{7,40}`|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", README)
     assert not hashes, f"README cites commits {hashes}: history goes to docs/results.md"
     assert not re.findall(r"[Ii]ssue \d+|#\d+\b", README), "README cites issue numbers"
+    relative = re.findall(r"\b(?:today|yesterday|tomorrow|this (?:week|month))\b", README, re.I)
+    assert not relative, f"README dates by {relative}: name the code or the date instead"
+
+
+def test_every_page_quotes_the_pipelines_time_from_readmes_time_table():
+    """README and the course pages say how long the pipeline runs in one wording, "about A-B min on a
+    2-core machine", whose ends are the time table's fastest and slowest fresh-clone totals within a
+    minute. Broken on purpose (a course page's 20-35 min, README's 20-30 without "about"), it failed."""
+    totals = [int(m) + int(s) / 60 for m, s in
+              re.findall(r"^\|.*\| \**(\d+) min (\d+) s\** \|$", section(README, "Quickstart"), re.M)]
+    assert len(totals) >= 3, "README's time table has no totals"
+    pages = ["README.md"] + [p for p in PAGES if p.startswith("course/")]
+    quotes = {}
+    for page in pages:  # a sentence about the pipeline that names a range of minutes
+        text = " ".join(open(os.path.join(ROOT, page)).read().split())
+        for sentence in re.split(r"(?<=\.)\s", text):
+            if re.search(r"pipeline|run_cpu\.sh|every stage", sentence):
+                quotes.setdefault(page, []).extend(
+                    m.group(0) for m in re.finditer(r"(?:about )?\d+-\d+ min\w*(?: on a 2-core machine)?", sentence))
+    assert {"README.md", "course/assignment.md"} <= set(quotes), quotes
+    low, high = min(totals), max(totals)
+    for page, found in quotes.items():
+        for q in found:
+            m = re.fullmatch(r"about (\d+)-(\d+) min on a 2-core machine", q)
+            assert m, f"{page}: {q!r}, not \"about A-B min on a 2-core machine\""
+            a, b = map(int, m.groups())
+            assert abs(a - low) < 1 and abs(b - high) < 1, \
+                f"{page}: {q!r}, but README's time table runs {low:.1f}-{high:.1f} min"
+
+
+def test_each_exercises_lr_is_the_multiple_of_the_setups_it_says():
+    """An exercise that says "N× the lr" (or the learning rate "N-fold") runs N times the setup's RL
+    lr, to N's digits. Broken on purpose (exercise 1's "4× the lr" at 2e-4 over 6.7e-5), it failed."""
+    base = float(re.search(r"^RL=.*?--lr (\S+)", SETUP, re.M).group(1))
+    text = section(README, "Exercises")
+    said = 0
+    for item in re.split(r"\n(?=\d+\. \*\*)", text)[1:]:
+        number = item.split(".", 1)[0]
+        claims = re.findall(r"(\d+(?:\.\d+)?)(?:×|-fold| times) the (?:lr|learning rate)|"
+                            r"(?:lr|learning rate) (\d+(?:\.\d+)?)(?:×|-fold| times)", item)
+        for claim in (a or b for a, b in claims):
+            lrs = re.findall(r"--lr (\S+)", item.split("```bash", 1)[1])
+            assert lrs, f"exercise {number} says {claim}x the lr and sets none"
+            ratio = float(lrs[0]) / base
+            digits = len(claim.split(".")[1]) if "." in claim else 0
+            assert round(ratio, digits) == float(claim), \
+                f"exercise {number} says {claim}x the lr; --lr {lrs[0]} over $RL's {base:g} is {ratio:.2f}x"
+            said += 1
+    assert said >= 2, "README's exercises name no multiple of the lr"
 
 
 def markdown_links(path):
