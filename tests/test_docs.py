@@ -174,19 +174,55 @@ def test_each_exercises_lr_is_the_multiple_of_the_setups_it_says():
     assert said >= 2, "README's exercises name no multiple of the lr"
 
 
-def markdown_links(path):
-    """The local targets of [text](target) in a markdown file, inline code left out."""
+def markdown_links(path, anchors=False):
+    """The local targets of [text](target) in a markdown file, inline code left out: the path (the
+    page itself for `#anchor`), and with anchors=True (path, anchor or None)."""
     text = re.sub(r"`[^`\n]*`", "", open(path).read())
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if not re.match(r"(https?|mailto):|#", target):
-            yield target.split("#")[0]
+        if not re.match(r"(https?|mailto):", target):
+            file, _, anchor = target.partition("#")
+            file = file or os.path.basename(path)
+            yield (file, anchor or None) if anchors else file
+
+
+def heading_anchors(path):
+    """The anchors GitHub gives a markdown file's headings (code blocks left out): the heading's text
+    as rendered (a link's text, no backticks or emphasis), lowercased, every character but letters,
+    digits, `_`, `-` and spaces dropped, spaces to hyphens; a repeated one gets -1, -2, ..."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", open(path).read(), flags=re.M | re.S)
+    seen, out = {}, set()
+    for title in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, re.M):
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title)  # a link: its text
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return out | set(re.findall(r"<a (?:name|id)=\"([^\"]+)\"", text))
+
+
+def test_heading_anchors_follow_githubs_slugs():
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
+        f.write("# A page\n## RLOO (`rloo.py`) — paper 000 Eq. 3, Table 5\n```bash\n# a comment\n```\n"
+                "## The task (`verifier.py`)\n## Notes\n## Notes\n### See [the code](x.py), §3.1.3\n")
+    try:
+        assert heading_anchors(f.name) == {"a-page", "rloo-rloopy--paper-000-eq-3-table-5", "the-task-verifierpy",
+                                           "notes", "notes-1", "see-the-code-313"}
+    finally:
+        os.unlink(f.name)
 
 
 def test_every_link_in_readme_and_docs_resolves():
+    """Every link of README and the pages under docs/ and course/ reaches a file, and its #anchor, into
+    a markdown file, one of that file's headings (GitHub's slug of it). Broken on purpose (an anchor
+    into docs/algorithms.md that names no heading), it failed."""
     pages = [os.path.join(ROOT, "README.md")] + [p for d in ("docs", "course")
                                                  for p in glob.glob(os.path.join(ROOT, d, "**/*.md"), recursive=True)]
     broken = [f"{os.path.relpath(p, ROOT)}: {t}" for p in pages for t in markdown_links(p)
               if not os.path.exists(os.path.join(os.path.dirname(p), t))]
+    broken += [f"{os.path.relpath(p, ROOT)}: {t}#{a} (no such heading)" for p in pages
+               for t, a in markdown_links(p, anchors=True) if a and t.endswith(".md")
+               and os.path.exists(os.path.join(os.path.dirname(p), t))
+               and a not in heading_anchors(os.path.join(os.path.dirname(p), t))]
     code = [p for pattern in ("*.py", "*.sh", "tests/*.py", "benchmarks/**/*", "course/**/*", "pretrained/*/README.md")
             for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
             if os.path.isfile(p) and "__pycache__" not in p]
