@@ -43,7 +43,8 @@ TWINS = {
     "grpo.grpo_advantages": ["rlt.grpo_advantages"],  # RLT's update is GRPO's (004 Eq. 6)
     "grpo.grpo_loss": ["rlt.rlt_loss"],
 }
-# the instructor's side, the one list of it: what a handout leaves out, what grade.py needs to grade
+# the instructor's side, the one list of it: what a handout leaves out (recorded in its handout.json, where
+# tests/test_docs.py reads which paths a page may name that the copy lacks), what grade.py needs to grade
 # (it refuses where one is missing: a handout), what no test of the students' copy may name. The key
 # (the measured answers, the rubric), the graders' own tests (with the mistakes they are graded against,
 # which quote the reference code), the hidden cases, and the tools that make handouts and grade them
@@ -114,7 +115,8 @@ def unlinked(text, page):
 
 def make(out, asked):
     """Write the handout of `asked` to `out` (and handout.json in its course/: the parts and graded
-    functions, which submit.py reads); returns the qualified functions blanked."""
+    functions, which submit.py reads, and the paths left out, INSTRUCTOR, which tests/test_docs.py
+    reads); returns the qualified functions blanked."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
     for f in files:
@@ -130,7 +132,7 @@ def make(out, asked):
     names = to_blank(asked)
     parts = [p for p in PARTS if p in asked or any(q in PARTS[p] for q in asked)]
     with open(os.path.join(out, "course", "handout.json"), "w") as fh:
-        json.dump({"parts": parts, "blanked": names, "graded": graded(parts)}, fh, indent=1)
+        json.dump({"parts": parts, "blanked": names, "graded": graded(parts), "left_out": INSTRUCTOR}, fh, indent=1)
     for qualified in names:
         module, _, name = qualified.rpartition(".")
         path = os.path.join(out, module.replace(".", "/") + ".py")

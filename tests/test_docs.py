@@ -213,8 +213,10 @@ def test_heading_anchors_follow_githubs_slugs():
 
 def test_every_link_in_readme_and_docs_resolves():
     """Every link of README and the pages under docs/ and course/ reaches a file, and its #anchor, into
-    a markdown file, one of that file's headings (GitHub's slug of it). Broken on purpose (an anchor
-    into docs/algorithms.md that names no heading), it failed."""
+    a markdown file, one of that file's headings (GitHub's slug of it); every docs/ or course/ path a
+    script or tool names exists, but in a handout one it leaves out on purpose (left_out(): its
+    handout.json lists them). Broken on purpose (an anchor into docs/algorithms.md that names no
+    heading), it failed."""
     pages = [os.path.join(ROOT, "README.md")] + [p for d in ("docs", "course")
                                                  for p in glob.glob(os.path.join(ROOT, d, "**/*.md"), recursive=True)]
     broken = [f"{os.path.relpath(p, ROOT)}: {t}" for p in pages for t in markdown_links(p)
@@ -228,7 +230,7 @@ def test_every_link_in_readme_and_docs_resolves():
             if os.path.isfile(p) and "__pycache__" not in p]
     broken += [f"{os.path.relpath(p, ROOT)}: {t}" for p in code
                for t in re.findall(r"(?:docs|course)/[\w/.-]+\.(?:md|json|png|jsonl)", open(p).read())
-               if not os.path.exists(os.path.join(ROOT, t))]
+               if not os.path.exists(os.path.join(ROOT, t)) and t not in left_out()]
     assert len(pages) > 10 and not broken, f"links to nothing: {broken}"
 
 
@@ -401,18 +403,28 @@ def repo_flags():
     return out
 
 
+def left_out():
+    """The instructor's paths a student's handout leaves out, from the handout.json in its course/ (the
+    handout tool's one list of them); none in the repo itself, which has no handout.json."""
+    path = os.path.join(ROOT, "course", "handout.json")
+    return set(json.load(open(path)).get("left_out", [])) if os.path.exists(path) else set()
+
+
 def test_every_path_and_flag_a_page_names_exists():
     """README and every page under docs/ and course/ name only files that exist (a repo path, or a
     bare `x.py` somewhere in the repo) and only flags some command of the repo takes (its --help).
-    Broken on purpose (README naming `benchmarks/rl_levers.sh`, a page naming `--mu_trainer`), it
-    failed."""
-    flags, bad = repo_flags(), []
+    In a handout, a name of a path it leaves out on purpose (the instructor's, left_out()) is the
+    repo's, not a broken one: a student's correct copy passes. Broken on purpose (README naming
+    `benchmarks/rl_levers.sh`, a page naming `--mu_trainer`; a handout with no left_out list, whose
+    README names the grading tools), it failed."""
+    flags, bad, absent = repo_flags(), [], left_out()
     files = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "**", "*"), recursive=True)
-             if ".venv" not in p}
+             if ".venv" not in p} | {os.path.basename(p) for p in absent}
     for page in PAGES:
         text = re.sub(r"https?://\S+", "", open(os.path.join(ROOT, page)).read())
         for path in re.findall(rf"(?<![\w/.~$-])((?:{'|'.join(map(re.escape, TOP))})/[\w./-]*[\w/])", text):
-            if not os.path.exists(os.path.join(ROOT, path)):
+            if not os.path.exists(os.path.join(ROOT, path)) and \
+                    not any(x == path or x.startswith(path.rstrip("/") + "/") for x in absent):  # or its folder
                 bad.append(f"{page}: {path}")
         for name in re.findall(r"(?<![\w/.~$-])([\w-]+\.(?:py|sh))\b", text):
             if name not in files:
