@@ -18,11 +18,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plumbing.traces import _STEP, _solutions, _steps_text, random_path  # noqa: E402  _STEP: a step as written
 
-TRY = re.compile(r"(.*) Target (\d+), (?:found|back)\.")
+# a try: its steps (a line each) up to its verdict
+TRY = re.compile(r"((?:[^\n]*\n)*?[^\n]*) Target (\d+), (?:found|back)\.")
 
 
 def first_step(text):
-    """'9 * 2 = 18, left ...' -> ('2', '*', '9', '18'): operands sorted for + and *, so order does
+    """'9*2=18, left ...' -> ('2', '*', '9', '18'): operands sorted for + and *, so order does
     not count."""
     m = _STEP.match(text.strip())
     if not m:
@@ -39,7 +40,7 @@ def try_stats(problems):
         for sample in samples:
             n, seen = n + 1, set()
             for k, text in enumerate(sample):
-                values = re.findall(r"= (\d+)", text)
+                values = re.findall(r"= ?(\d+)", text)
                 hit = bool(values) and int(values[-1]) == target
                 on_path = first_step(text) in openers - {None}
                 tries, hits, first_hits = tries + 1, hits + hit, first_hits + (hit and k == 0)

@@ -55,10 +55,16 @@ TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key
 
 @functools.lru_cache(maxsize=1)
 def build_tiny_tokenizer(vocab_size=384):
-    """A byte-level BPE (exact round trip for any text) trained on the task's own text, one token
-    per digit so any number can be written, the four tags as single tokens. Deterministic."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """Qwen2.5's tokenizer in miniature: a byte-level BPE (exact round trip for any text) trained on
+    the task's own text under Qwen2's own normalizer and pre-tokenizer (a digit is a token, as in
+    Qwen2.5), the four tags as tokens of their own. It is a `Qwen2Tokenizer` because transformers 5
+    gives any `qwen2` config that class, whatever tokenizer_config.json names, and the class rebuilds
+    its pre-tokenizer from Qwen2's regex: a tokenizer of any other pre-tokenizer would load through
+    `AutoTokenizer` re-split, and a checkpoint would sample garbage in every tool but ours (TRL,
+    vLLM with text prompts, lm-eval, `pipeline`). This one reloads as itself (tests/test_common.py).
+    Deterministic."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
     rng, corpus = random.Random(0), []
     for task in verifier.generate_splits({"x": 100}, seed=12345, num_range=(1, 25),
                                          target_range=(1, 200), balanced=False)["x"]:
@@ -67,20 +73,20 @@ def build_tiny_tokenizer(vocab_size=384):
                 make_prompt(task["nums"], task["target"], template)
                 + traces.make_trace(task["nums"], task["target"], rng, 2.0))
     tok = Tokenizer(models.BPE())
-    # " 12" -> " 1", "2": a digit is a token, with its leading space
-    digits = pre_tokenizers.Split(Regex(r" ?[0-9]"), "isolated")
-    tok.pre_tokenizer = pre_tokenizers.Sequence([digits,
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
+    qwen2 = Qwen2Tokenizer()._tokenizer  # the class's normalizer (NFC) and pre-tokenizer, as it builds them
+    tok.normalizer, tok.pre_tokenizer, tok.decoder = qwen2.normalizer, qwen2.pre_tokenizer, qwen2.decoder
     specials = ["<|endoftext|>", "<|pad|>"]
     tok.train_from_iterator(
         corpus,
         trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
+    bpe = json.loads(tok.to_str())["model"]
     # pad != eos on purpose: a mask built from `ids != pad` would then never drop the real EOS.
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   pad_token="<|pad|>")
+    out = Qwen2Tokenizer(vocab=bpe["vocab"], merges=[tuple(m) for m in bpe["merges"]],
+                         eos_token="<|endoftext|>", pad_token="<|pad|>", unk_token=None)
+    out.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t in ("<think>", "</think>", "<answer>", "</answer>")])
+    return out
 
 
 def build_tiny_model(tokenizer, **overrides):
@@ -102,11 +108,7 @@ def looks_local(name):
 
 def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
     """(model, tokenizer) from `tiny` (new, from scratch), a checkpoint dir, or a hub name."""
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
     # one console line per step: no "Loading weights" bars in between
     logging.disable_progress_bar()
@@ -127,14 +129,9 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
                                             "`tiny`, e.g. sft.py --init tiny (see README)")
     if hint:
         check_hub(f"model '{name}'", hint)
-    # transformers 5's AutoTokenizer rebuilds a Qwen2 tokenizer for any qwen2 config, which would
-    # drop the tiny tokenizer's one-token-per-digit pre-tokenizer: load a plain tokenizers-backed
-    # one as saved.
-    tok_cfg = os.path.join(name, "tokenizer_config.json")
-    tok_class = json.load(open(tok_cfg)).get("tokenizer_class") if os.path.isfile(tok_cfg) else None
-    plain = tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast")
     try:
-        tokenizer = (PreTrainedTokenizerFast if plain else AutoTokenizer).from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        check_reads_as_saved(tokenizer, name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     except OSError as e:
         raise CountdownError(f"could not load {name}: {e}{hint}") from None
@@ -142,6 +139,28 @@ def load_model(name, device="cpu", dtype=torch.float32, **tiny_overrides):
         # Qwen base: pad == eos, so masks come from lengths
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+PROBE = make_prompt([9, 2, 13], 31, "compact") + "9*2=18, left 13 18.\n13+18=31. Target 31, found.\n" \
+    "</think>\n<answer>13 + 9 * 2</answer>"
+
+
+def check_reads_as_saved(tokenizer, name):
+    """One line, not garbage, where the tokenizer AutoTokenizer gives differs from the one saved in
+    NAME/tokenizer.json: transformers 5 rebuilds a `qwen2` config's tokenizer with Qwen2's
+    pre-tokenizer, so a checkpoint saved with another (this repo's before its tokenizer was a
+    Qwen2Tokenizer) would load without an error and read every number wrong."""
+    from tokenizers import Tokenizer
+    path = os.path.join(name, "tokenizer.json")
+    if not os.path.isfile(path):
+        return
+    saved = Tokenizer.from_file(path).encode(PROBE, add_special_tokens=False).ids
+    if tokenizer(PROBE, add_special_tokens=False).input_ids != saved:
+        raise CountdownError(
+            f"{name}'s tokenizer.json splits text otherwise than transformers' AutoTokenizer "
+            f"({type(tokenizer).__name__}) rebuilds it, so every tool would read this checkpoint "
+            "wrong; it was written with an earlier tiny tokenizer: retrain it from this repo's "
+            "pretrained/ models (./run_cpu.sh --force)")
 
 
 def cache_name(model):

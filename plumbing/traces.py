@@ -1,8 +1,9 @@
 """Solver-written search traces for SFT, in named strategies a sample's text shows, the base
 stage's plain arithmetic, and paper 001's operator-flip negatives. Standard library only.
 
-A trace is the text after the prompt's '<think>': tries, one per line, each ending in a verdict
-('Target 60, back.' / 'found.'), then '</think>' and the verified answer. Strategies (`--strategies`
+A trace is the text after the prompt's '<think>': tries, a step a line ('3+5=8, left 7 8.'), each
+ending in a verdict ('7*8=56. Target 60, back.' / 'found.'), then '</think>' and the verified
+answer. Strategies (`--strategies`
 in sft.py mixes them): `random`, tries at random until one hits (what the model did before there
 were strategies), and `backward`, working back from the target (see backward_chaining)."""
 import functools
@@ -15,9 +16,14 @@ from verifier import _OPS, _moves, _search, _solvable, evaluate_expression, extr
 
 
 def _steps_text(steps):
-    return " ".join(f"{a} {op} {b} = {v}"
-                    + (f", left {' '.join(map(str, rest))}." if len(rest) > 1 else ".")
-                    for a, op, b, v, rest in steps)
+    """'3+5=8, left 7 8.\n7*8=56.': a step a line, no spaces around the operators. Written for the
+    tokenizer the tiny model shares with Qwen2.5 (plumbing/models.py): its pre-tokenizer cuts a
+    space from the digit after it, so '3 + 5 = 8' costs 9 tokens where '3+5=8' costs 5, and '.\n'
+    is one token where '. ' and the digit's space are two. As written before (spaces, steps joined
+    by '. '), a completion cost 1.26x the tokens; so, 1.04x (docs/studies/tokenizer.md)."""
+    return "\n".join(f"{a}{op}{b}={v}"
+                     + (f", left {' '.join(map(str, rest))}." if len(rest) > 1 else ".")
+                     for a, op, b, v, rest in steps)
 
 
 @functools.lru_cache(maxsize=50_000)
@@ -42,7 +48,7 @@ def random_path(numbers, rng):
 
 def arith_text(problems, rng):
     """Plain arithmetic for the base stage: one random path per problem (its numbers), one per line,
-    written exactly as the traces write their steps ('3 + 5 = 8, left 7 8. 7 * 8 = 56.')."""
+    written exactly as the traces write their steps ('3+5=8, left 7 8.\n7*8=56.')."""
     return "\n".join(_steps_text(random_path(nums, rng)[1]) for nums in problems)
 
 
@@ -66,7 +72,7 @@ def random_tries(numbers, target, rng, dead_ends=0.0, near_misses=0.0):
     path with probability 1 / (1 + dead_ends), else a dead end (a near miss with probability
     `near_misses`, else a random path), until one's value is the target. No cap: the dead ends are
     geometric with mean <= dead_ends, so only the check tells when to stop. Each try writes the
-    target by its value, then the verdict ('= 70. Target 60, back.'). Without near misses a model
+    target by its value, then the verdict ('=70. Target 60, back.'). Without near misses a model
     learns "found" = "close" (docs/studies/arithmetic.md). A model cannot tell a solver path from a random
     one before it computes it, so what it learns is: try at random until one hits."""
     solutions = _solutions(tuple(numbers), target)
@@ -91,13 +97,13 @@ def _subgoals(target, c):
     value, how it is computed, the closing step, the answer). Rank orders the subgoals of all c:
     the target's factorizations first (target / c, when exact), then target - c, target + c, and
     c - target when c is larger (rare here: targets start at 10)."""
-    t, out = target, [(2, target + c, f"{target} + {c}", f"{{v}} - {c}", f"{{e}} - {c}")]
+    t, out = target, [(2, target + c, f"{target}+{c}", f"{{v}}-{c}", f"{{e}}-{c}")]
     if t % c == 0:
-        out.append((0, t // c, f"{t} / {c}", f"{{v}} * {c}", f"{{e}} * {c}"))
+        out.append((0, t // c, f"{t}/{c}", f"{{v}}*{c}", f"{{e}}*{c}"))
     if t >= c:
-        out.append((1, t - c, f"{t} - {c}", f"{{v}} + {c}", f"{{e}} + {c}"))
+        out.append((1, t - c, f"{t}-{c}", f"{{v}}+{c}", f"{{e}}+{c}"))
     else:
-        out.append((3, c - t, f"{c} - {t}", f"{c} - {{v}}", f"{c} - {{e}}"))
+        out.append((3, c - t, f"{c}-{t}", f"{c}-{{v}}", f"{c}-{{e}}"))
     return out
 
 
@@ -105,7 +111,7 @@ def backward_chaining(numbers, target, rng):
     """Strategy `backward` (Gandhi et al., 2025, "Cognitive Behaviors that Enable Self-Improving
     Reasoners": working backwards from the goal; paper 000 §5's teacher works back from the
     target's factorizations). For 3 numbers, one line a subgoal: a last number c and a value the
-    other two must make ('Need 60 / 5 = 12:'), then the pair's results (a + b, a * b, larger -
+    other two must make ('Need 60/5=12:'), then the pair's results (a + b, a * b, larger -
     smaller, larger / smaller when exact) until one is that value: the closing step and 'found',
     else 'back' and the next subgoal. Subgoals come factorizations first, then target - c, then
     target + c, each over c in the prompt's order (this order solves 79 % of problems within the
@@ -120,20 +126,21 @@ def backward_chaining(numbers, target, rng):
     for k, c in enumerate(numbers):
         a, b = [n for i, n in enumerate(numbers) if i != k]
         hi, lo = max(a, b), min(a, b)
-        pair = [(a + b, f"{a} + {b}"), (a * b, f"{a} * {b}"), (hi - lo, f"{hi} - {lo}")]
-        pair += [(hi // lo, f"{hi} / {lo}")] if lo and hi % lo == 0 else []
+        pair = [(a + b, f"{a}+{b}"), (a * b, f"{a}*{b}"), (hi - lo, f"{hi}-{lo}")]
+        pair += [(hi // lo, f"{hi}/{lo}")] if lo and hi % lo == 0 else []
         goals += [(rank, k, need, how, close, answer, pair)
                   for rank, need, how, close, answer in _subgoals(target, c)]
     lines = []
     for _, _, need, how, close, answer, pair in sorted(goals, key=lambda g: g[:2]):
         tried = []
         for v, text in pair:
-            tried.append(f"{text} = {v}")
-            if v == need:
-                lines.append(f"Need {how} = {need}: {', '.join(tried)}. "
-                             f"{close.format(v=v)} = {target}. Target {target}, found.")
+            tried.append(f"{text}={v}")
+            if v == need:  # the closing step on a line of its own, as a random try's steps
+                lines.append(f"Need {how}={need}: {','.join(tried)}.\n"
+                             f"{close.format(v=v)}={target}. Target {target}, found.")
                 return lines, answer.format(e=f"({text})")
-        lines.append(f"Need {how} = {need}: {', '.join(tried)}, back.")
+        # the results joined by ',' alone: ', ' costs a token more before a digit (_steps_text)
+        lines.append(f"Need {how}={need}: {','.join(tried)}, back.")
     more, answer = random_tries(numbers, target, rng)
     return lines + more, answer
 
@@ -172,7 +179,7 @@ def strategy_of(response):
     first = response.lstrip()
     if first.startswith("Need "):
         return "backward"
-    return "random" if re.match(r"\d+ [-+*/] \d+ = ", first) else "other"
+    return "random" if re.match(r"\d+ ?[-+*/] ?\d+ ?= ?\d", first) else "other"
 
 
 def strategy_stats(texts, scores):
@@ -277,9 +284,10 @@ def mistake_shares(texts, tasks):
     return {k: kinds.count(k) / max(len(kinds), 1) for k in MISTAKES}
 
 
-_STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")  # a step as the traces write it: a op b = v
+# a step as the traces write it, a op b = v ('3+5=8'; spaces allowed, as a model may write them)
+_STEP = re.compile(r"(\d+) ?([-+*/]) ?(\d+) ?= ?(\d+)")
 # a try's last written value, then its verdict
-_CLAIM = re.compile(r"= (\d+)\. Target \d+, found\.")
+_CLAIM = re.compile(r"= ?(\d+)\. Target \d+, found\.")
 
 
 def arithmetic(completions, targets):
@@ -323,7 +331,9 @@ def make_trace(numbers, target, rng=None, dead_ends=0.0, near_misses=0.0, mix=No
                 break
         if kind:
             lines, answer = with_mistake(numbers, target, lines, answer, kind, rng)
-    return " " + "\n".join(lines) + f"\n</think>\n<answer>{answer}</answer>"
+    # no space after '<think>' and none in the answer: each cost a token (_steps_text)
+    answer = answer.replace(" ", "")
+    return "\n".join(lines) + f"\n</think>\n<answer>{answer}</answer>"
 
 
 def flip_operator(expr, numbers, target, rng=None):

@@ -2,6 +2,7 @@
 line written as the docstring says, the mixture's weights honoured, the strategy read back from the
 text, and the bookkeeping the evaluation and the RL logs print."""
 import random
+import re
 
 import pytest
 
@@ -29,15 +30,16 @@ def test_every_trace_is_verified_and_every_written_step_exact(problems, mix):
 
 def test_a_backward_line_is_one_subgoal_then_the_pair_until_it_is_made():
     # 35 = 5 * 7: the factorization comes first, and the pair's fourth result makes it
+    # (the closing step on a line of its own, as a random try's steps: plumbing/traces.py)
     assert TR.make_trace([2, 14, 5], 35, mix={"backward": 1}) == (
-        " Need 35 / 5 = 7: 2 + 14 = 16, 2 * 14 = 28, 14 - 2 = 12, 14 / 2 = 7. 7 * 5 = 35. "
-        "Target 35, found.\n</think>\n<answer>(14 / 2) * 5</answer>")
+        "Need 35/5=7: 2+14=16,2*14=28,14-2=12,14/2=7.\n7*5=35. "
+        "Target 35, found.\n</think>\n<answer>(14/2)*5</answer>")
     # 12 / 3 = 4 is not made (14 / 5 is not exact: no fourth result); 12 / 14 and 12 / 5 are not
     # exact; then target - c, over c in the prompt's order
     assert TR.make_trace([3, 14, 5], 12, mix={"backward": 1}) == (
-        " Need 12 / 3 = 4: 14 + 5 = 19, 14 * 5 = 70, 14 - 5 = 9, back.\n"
-        "Need 12 - 3 = 9: 14 + 5 = 19, 14 * 5 = 70, 14 - 5 = 9. 9 + 3 = 12. Target 12, found.\n"
-        "</think>\n<answer>(14 - 5) + 3</answer>")
+        "Need 12/3=4: 14+5=19,14*5=70,14-5=9, back.\n"
+        "Need 12-3=9: 14+5=19,14*5=70,14-5=9.\n9+3=12. Target 12, found.\n"
+        "</think>\n<answer>(14-5)+3</answer>")
     # the procedure is deterministic: the rng never changes a backward trace that finds
     assert {TR.make_trace([2, 14, 5], 35, random.Random(s), mix={"backward": 1}) for s in range(5)} \
         == {TR.make_trace([2, 14, 5], 35, mix={"backward": 1})}
@@ -61,8 +63,9 @@ def test_the_mixture_is_honoured_and_the_default_stream_unchanged(problems):
 
 def test_backward_solves_more_problems_in_the_first_line_than_a_random_try(problems):
     rng = random.Random(2)
-    first = {name: sum(TR.make_trace(p["nums"], p["target"], rng, 1e9, 0.0, {name: 1})
-                       .split("\n")[0].endswith("found.") for p in problems) / len(problems)
+    verdict = lambda t: re.search(r"Target \d+, (found|back)\.", t).group(1)  # noqa: E731 (the first)
+    first = {name: sum(verdict(TR.make_trace(p["nums"], p["target"], rng, 1e9, 0.0, {name: 1}))
+                       == "found" for p in problems) / len(problems)
              for name in TR.STRATEGIES}
     assert first["backward"] > 0.4 and first["random"] < 0.15  # measured 0.48 and 0.07 (train)
 
