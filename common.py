@@ -216,10 +216,13 @@ def _decode_precision(dev):
 # ---- sampling, the vLLM backend ------------------------------------------------------------------
 class VLLMSampler(Engine):
     """A vLLM engine in the trainer's process (its management: plumbing/vllm_engine.py), whose
-    samples are the trainer's (tests/test_vllm.py): prompts go in as the trainer's token ids (vLLM's
-    tokenizer re-split the tiny one's digits: accuracy 0.26 -> 0.01); evaluation seeds prompt i with
+    samples are the trainer's (tests/test_vllm.py): prompts go in as the trainer's token ids, or
+    as text with `text_prompts` (vLLM tokenizes them with AutoTokenizer: the same ids, since the
+    tiny tokenizer is a Qwen2Tokenizer, plumbing/models.py); evaluation seeds prompt i with
     seed + i·n (one shared seed sampled a repeated prompt's same completion), RL rollouts
     (seed_requests=False) the engine's generator, seeded once; log-probs of softmax(logits / T)."""
+
+    text_prompts = False  # True: vLLM tokenizes the prompts itself, as a vLLM user's call does
 
     def sync(self, model):  # the trainer's weights into the engine, then its KV cache
         self.load_weights(model)
@@ -238,7 +241,9 @@ class VLLMSampler(Engine):
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                  top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
                                  seed=s, logprobs=0) for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+        inputs = [{"prompt": p} for p in prompts] if self.text_prompts else [
+            {"prompt_token_ids": p} for p in prompt_ids]
+        outs = self.llm.generate(inputs, params,
                                  use_tqdm=progress is not None)
         comps = [c for o in outs for c in o.outputs]
         ids = [list(c.token_ids) for c in comps]  # EOS included where it stopped, as HFSampler's

@@ -44,6 +44,23 @@ def test_prompts_go_in_as_the_trainers_token_ids_and_come_back_decoded_by_it(tin
         assert len(ids) == len(lps) and text == tok.decode([t for t in ids if t != tok.eos_token_id])
 
 
+def test_text_prompts_give_the_ids_and_the_samples_of_id_prompts(tiny):
+    """A vLLM user's call (text in, vLLM's own AutoTokenizer) and the trainer's (its token ids):
+    the same prompt ids, the same seeded samples, decoded as the trainer decodes them. Before the
+    tiny tokenizer was a Qwen2Tokenizer, vLLM re-split its digits (accuracy 0.26 -> 0.01)."""
+    _, model, tok, engine = tiny
+    engine.sync(model)
+    by_ids = engine.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=32, seed=5)
+    engine.text_prompts = True
+    try:
+        by_text = engine.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=32, seed=5)
+    finally:
+        engine.text_prompts = False
+    assert by_text.prompt_ids == by_ids.prompt_ids == tok(PROMPTS, add_special_tokens=False)["input_ids"]
+    assert by_text.completion_ids == by_ids.completion_ids and by_text.texts == by_ids.texts
+    assert logprob_gap(model, tok, by_text, 1.0) <= 1e-4
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_equal_an_hf_forward_at_the_sampling_temperature(tiny, temperature):
     _, model, tok, engine = tiny
