@@ -235,10 +235,25 @@ def test_every_link_in_readme_and_docs_resolves():
 
 
 def test_every_study_opens_with_its_question_and_answer():
+    """After its title and the line saying which base it was measured on (when it has one), a study's
+    first two lines are its question and its answer."""
     pages = [p for p in glob.glob(os.path.join(ROOT, "docs/studies/*.md")) if not p.endswith("README.md")]
-    lines = {os.path.basename(p): open(p).read().splitlines()[1:3] for p in pages}
+    lines = {os.path.basename(p): open(p).read().splitlines()[1:4] for p in pages}
+    lines = {n: ls[1:] if ls[0].startswith("*Measured on") else ls[:2] for n, ls in lines.items()}
     bad = [n for n, (q, a) in lines.items() if not (q.startswith("**Question:**") and a.startswith("**Answer:**"))]
     assert len(pages) >= 9 and not bad, f"studies that do not open with their question and answer: {bad}"
+
+
+def test_every_study_says_which_base_it_was_measured_on():
+    """A study's numbers hold for the models it ran on: every page under docs/studies/ but its index
+    and tokenizer.md (the page of the current base) says in its first 5 lines which base it was
+    measured on (a line with "Measured on"), so a reader does not take them for the current models'.
+    Broken on purpose (the line removed from strategies.md), it failed."""
+    pages = [p for p in glob.glob(os.path.join(ROOT, "docs/studies/*.md"))
+             if os.path.basename(p) not in ("README.md", "tokenizer.md")]
+    bad = [os.path.basename(p) for p in pages
+           if not any("Measured on" in line for line in open(p).read().splitlines()[:5])]
+    assert len(pages) >= 9 and not bad, f"studies that do not say which base they were measured on: {bad}"
 
 
 def test_the_grpo_family_study_quotes_no_kl_figure_its_tables_do_not_hold():
