@@ -1,7 +1,7 @@
 """Greedy arithmetic of a checkpoint on fresh text, the base stage's own yardstick: a base model
 writes no answers, so evaluate.py cannot measure it. The model reads 400 rows of fresh arithmetic
 (traces.arith_text, the base stage's format: 4 random paths over random numbers a row), and a step
-`a op b = v` counts as right when every token of v is the model's argmax given the text before it
+`a op b = v` (`3+5=8`) counts as right when every token of v is the model's argmax given the text before it
 (teacher-forced). Wrong steps for 3- and for 4-number paths, overall and by operator: the 3-number
 base against 4-number paths is why the 3to4 lane has a base of its own (docs/studies/four_numbers.md).
 
@@ -31,7 +31,7 @@ def step_errors(model, tok, texts, batch=50):
         right = pred[:, :-1] == enc["input_ids"][:, 1:]  # (B, T-1): token k+1 predicted at k
         for j, text in enumerate(texts[b:b + batch]):
             spans = enc["offset_mapping"][j].tolist()
-            for m in re.finditer(r"\d+ ([-+*/]) \d+ = (\d+)", text):
+            for m in re.finditer(r"\d+ ?([-+*/]) ?\d+ ?= ?(\d+)", text):  # a op b = v (' ' optional)
                 ks = [k for k, (s, e) in enumerate(spans) if e > s and s < m.end(2) and e > m.start(2)]
                 wrong, n = out.get(m.group(1), (0, 0))
                 out[m.group(1)] = (wrong + (not all(right[j, k - 1] for k in ks)), n + 1)

@@ -3,9 +3,9 @@ stage's plain arithmetic, and paper 001's operator-flip negatives. Standard libr
 
 A trace is the text after the prompt's '<think>': tries, a step a line ('3+5=8, left 7 8.'), each
 ending in a verdict ('7*8=56. Target 60, back.' / 'found.'), then '</think>' and the verified
-answer. Strategies (`--strategies`
-in sft.py mixes them): `random`, tries at random until one hits (what the model did before there
-were strategies), and `backward`, working back from the target (see backward_chaining)."""
+answer. Strategies (`--strategies` in sft.py mixes them): `random`, tries at random until one hits
+(what the model did before there were strategies), and `backward`, working back from the target
+(see backward_chaining)."""
 import functools
 import itertools
 import random
@@ -18,7 +18,7 @@ from verifier import _OPS, _moves, _search, _solvable, evaluate_expression, extr
 def _steps_text(steps):
     """'3+5=8, left 7 8.\n7*8=56.': a step a line, no spaces around the operators. Written for the
     tokenizer the tiny model shares with Qwen2.5 (plumbing/models.py): its pre-tokenizer cuts a
-    space from the digit after it, so '3 + 5 = 8' costs 9 tokens where '3+5=8' costs 5, and '.\n'
+    space from the digit after it, so '3 + 5 = 8' costs 7 tokens where '3+5=8' costs 5, and '.\n'
     is one token where '. ' and the digit's space are two. As written before (spaces, steps joined
     by '. '), a completion cost 1.26x the tokens; so, 1.04x (docs/studies/tokenizer.md)."""
     return "\n".join(f"{a}{op}{b}={v}"
