@@ -61,7 +61,7 @@ def build_tiny_tokenizer(vocab_size=384):
     gives any `qwen2` config that class, whatever tokenizer_config.json names, and the class rebuilds
     its pre-tokenizer from Qwen2's regex: a tokenizer of any other pre-tokenizer would load through
     `AutoTokenizer` re-split, and a checkpoint would sample garbage in every tool but ours (TRL,
-    vLLM with text prompts, lm-eval, `pipeline`). This one reloads as itself (tests/test_common.py).
+    vLLM with text prompts, lm-eval, `pipeline`). This one reloads as itself (tests/test_hf_native.py).
     Deterministic."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
