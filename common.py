@@ -1,15 +1,13 @@
 """The helpers every algorithm's step calls, in the order a step uses them. Read top to bottom:
   1. Sampling, one interface (generate -> Rollouts, sync, sleep, wake), two backends: HFSampler
      (the training model samples; its plain loop over transformers' cache is here, its fast twin
-     in plumbing/fast_decode.py) and VLLMSampler (an engine in this process, pinned to vllm 0.32.0;
-     its management in plumbing/vllm_engine.py).
+     in plumbing/fast_decode.py) and VLLMSampler (an engine in this process, vllm 0.32.0).
   2. Which problems a step draws (paper 001's curriculum, paper 002's filter and its probe), then
      the batch: rollouts() samples it (take_groups: groups of several), score_rollouts() scores it.
   3. The training forward: micro-batches with masks, the precision (autocast), and chunked
      log-probs, entropy and KL, so no (B, T, V) logits tensor ever exists (token_stats,
      decoder_states; on a CPU each prompt runs once for its group: plumbing/shared_prompts.py).
-  4. Three pieces the losses share (k3_kl, behavior_logp, mix_reference), and the step's log
-     (rollout_metrics).
+  4. Three pieces the losses share (k3_kl, behavior_logp, mix_reference); the log (rollout_metrics).
 Nothing here knows one algorithm; plumbing/ holds what a step never needs read."""
 import contextlib
 from dataclasses import dataclass
@@ -216,12 +214,10 @@ def _decode_precision(dev):
 # ---- sampling, the vLLM backend ------------------------------------------------------------------
 class VLLMSampler(Engine):
     """A vLLM engine in the trainer's process (its management: plumbing/vllm_engine.py), whose
-    samples are the trainer's (tests/test_vllm.py): prompts go in as the trainer's token ids, or
-    as text with `text_prompts` (vLLM tokenizes them with AutoTokenizer: the same ids, since the
-    tiny tokenizer is a Qwen2Tokenizer, plumbing/models.py); evaluation seeds prompt i with
+    samples are the trainer's (tests/test_vllm.py): prompts go in as the trainer's token ids, or as
+    text (`text_prompts`: vLLM's own tokenizer, the same ids); evaluation seeds prompt i with
     seed + i·n (one shared seed sampled a repeated prompt's same completion), RL rollouts
     (seed_requests=False) the engine's generator, seeded once; log-probs of softmax(logits / T)."""
-
     text_prompts = False  # True: vLLM tokenizes the prompts itself, as a vLLM user's call does
 
     def sync(self, model):  # the trainer's weights into the engine, then its KV cache
@@ -241,10 +237,9 @@ class VLLMSampler(Engine):
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                  top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
                                  seed=s, logprobs=0) for s in seeds]
-        inputs = [{"prompt": p} for p in prompts] if self.text_prompts else [
-            {"prompt_token_ids": p} for p in prompt_ids]
-        outs = self.llm.generate(inputs, params,
-                                 use_tqdm=progress is not None)
+        inputs = [{"prompt": p} if self.text_prompts else {"prompt_token_ids": i}
+                  for p, i in zip(prompts, prompt_ids)]
+        outs = self.llm.generate(inputs, params, use_tqdm=progress is not None)
         comps = [c for o in outs for c in o.outputs]
         ids = [list(c.token_ids) for c in comps]  # EOS included where it stopped, as HFSampler's
         texts = self.tok.batch_decode([[t for t in x if t != self.tok.eos_token_id] for x in ids])

@@ -28,7 +28,7 @@ from plumbing import traces as TR  # noqa: E402
 from plumbing.models import build_tiny_tokenizer  # noqa: E402
 
 DATA = "gen:nums=3,range=1-20,test=200,val=100"
-MIX, MISTAKES = {"random": 0.7, "backward": 0.3}, "slip:0.25,reuse:0.1,giveup:0.2,malformed:0.08"
+MIX, MISTAKES = {"random": 0.7, "backward": 0.3}, D.LLM_MISTAKES  # run_cpu.sh's SFT source
 
 
 def spaced(text):

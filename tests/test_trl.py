@@ -36,3 +36,15 @@ def test_trl_trains_two_steps_on_a_checkpoint_of_ours_and_evaluate_reads_its_out
                         timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.load(open(tmp_path / "eval" / "summary.json"))["pass_at_k"]["1"] > 0.1
+
+
+def test_peer_sh_times_both_sides_on_one_checkpoint(tmp_path):
+    """benchmarks/peer.sh, the side-by-side timing docs/studies/performance.md quotes: TRL's GRPO and
+    ours, 2 steps each, one line a side with seconds a step, sampling and update, and peak memory."""
+    init = os.path.join(ROOT, "pretrained", "tiny-teacher")
+    done = subprocess.run(["bash", "benchmarks/peer.sh", init, str(tmp_path), "2", "fp32", "grpo"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if " s/step " in line}
+    assert set(lines) == {"trl_grpo_fp32", "ours_grpo_fp32"}, done.stdout
+    assert all(" peak " in line and " GB " in line for line in lines.values())
