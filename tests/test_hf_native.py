@@ -141,6 +141,14 @@ def test_a_checkpoint_autotokenizer_reads_otherwise_stops_in_one_line(tmp_path, 
     assert json.load(open(os.path.join(d, "config.json")))["model_type"] == "qwen2"
     with pytest.raises(CountdownError, match="AutoTokenizer.*retrain"):
         M.load_model(d)
+    # a script says it in one line, exit 2, no traceback
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "evaluate.py", "--model", d, "--num_problems", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")][0].endswith(
+        "(./run_cpu.sh --force)")
     # the shipped format loads
     M.build_tiny_tokenizer().save_pretrained(d)
     M.load_model(d)
