@@ -49,7 +49,7 @@ def readme_table(results, runs=()):
     given `runs` (docs/fresh_runs.json's), each stage's pass@1 range over those fresh-clone runs."""
     span = bool(runs)
     rows = ["| stage | what it is | pass@1 (± 95 %) | pass@16 | answers | give-ups | other "
-            "mistakes | training |" + (f" pass@1, {len(runs)} fresh runs |" if span else ""),
+            "mistakes | training |" + (f" pass@1, {len(runs)} fresh run{'s' * (len(runs) != 1)} |" if span else ""),
             "|---|---|---|---|---|---|---|---|" + ("---|" if span else "")]
     for n, r in results.items():
         m, wall = r.get("mistakes", {}), r.get("wall_seconds")
