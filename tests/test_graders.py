@@ -502,11 +502,14 @@ def test_the_assignments_targets_are_every_fresh_runs_widened():
 
 def test_the_instructors_key_quotes_runs_it_can_name():
     """course/instructor.md's rows of a pipeline's own evaluations (`out/cpu/eval/...`) quote pass@k
-    of a run in docs/fresh_runs.json or the current one (the exercises start from a fresh clone's
-    out/cpu); its mistake shares are that run's own, from its summary.json, not kept in the repo."""
-    from plumbing.report import fresh_runs
+    of a run in docs/fresh_runs.json, its "runs" or its "earlier" ones (the key was measured on the
+    base before the tokenizer's change), or the current one (the exercises start from a fresh clone's
+    out/cpu); its mistake shares are that run's own, from its summary.json, not kept in the repo.
+    Broken on purpose (the key's sft pass@1 0.277 made 0.299, in no run), it failed."""
+    runs = json.load(open(os.path.join(ROOT, "docs/fresh_runs.json")))
     current = json.load(open(os.path.join(ROOT, "docs/results.json")))
-    known = {f"{v:.3f}" for r in fresh_runs() for k in ("pass@1", "pass@16") for v in r[k].values()}
+    known = {f"{v:.3f}" for r in runs["runs"] + runs.get("earlier", {}).get("runs", [])
+             for k in ("pass@1", "pass@16") for v in r[k].values()}
     known |= {f"{v:.3f}" for r in current.values() for v in r["pass_at_k"].values()}
     rows = [line for line in open(os.path.join(ROOT, "course/instructor.md")).read().splitlines()
             if line.startswith("| `out/cpu/eval/")]
