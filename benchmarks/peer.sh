@@ -14,7 +14,7 @@ rows=$([[ $bf16 == 1 ]] && echo 32 || echo 16)  # run_cpu.sh's --forward_rows fo
 # run_cpu.sh's COMMON and RL arrays; the evaluations (at the start and the end only) cut to 8 x 2: TRL's run has none
 ours=(--init "$INIT" --data "$DATA" --eval_data "$DATA" --template compact --eval_problems 8 --eval_samples 2
       --eval_max_new_tokens 160 --lr 6.7e-5 --temperature 0.7 --batch_size 32 --micro_batch 128 --forward_rows "$rows"
-      --max_response_len 160 --max_steps "$STEPS" --eval_every 0 --save_every 0 --wrong_reward 0 --no_answer_reward 0
+      --max_response_len 160 --max_steps "$STEPS" --eval_every 0 --save_every 1000 --wrong_reward 0 --no_answer_reward 0
       --overwrite)
 for algo in "$@"; do
   case $algo in

@@ -36,7 +36,11 @@ def parse_args(cls, argv=None):
                            default=f.default, help=help)
         else:
             p.add_argument(*names, dest=f.name, type=kind, default=f.default, help=help)
-    return cls(**vars(p.parse_args(argv)))
+    args = cls(**vars(p.parse_args(argv)))
+    if getattr(args, "save_every", 1) < 1:  # `step % 0` ended a run at its first save
+        raise CountdownError(f"--save_every must be at least 1 (the last step saves whatever it "
+                             f"is), not {args.save_every}")
+    return args
 
 
 @dataclasses.dataclass

@@ -185,6 +185,9 @@ def test_clear_one_line_errors(ckpt, tmp_path):
                        str(tmp_path / "h")), "not a multiple")
     one_line_error(cli("rloo.py", "--init", ckpt, *RL, "--max_prompt_len", "5", "--output_dir", str(tmp_path / "i")),
                    "longer than --max_prompt_len 5")
+    # a traceback (`step % 0`) at the first save before it was checked
+    one_line_error(cli("sft.py", "--init", "tiny", *EVAL, "--save_every", "0", "--output_dir", str(tmp_path / "k")),
+                   "--save_every must be at least 1")
     one_line_error(cli("evaluate.py", "--model", ckpt, "--data", GEN, "--num_problems", "2", "--batch_size", "0"),
                    "--batch_size (rows decoded together) must be at least 1, not 0")
     # the main venv: the vLLM lane has a venv of its own
