@@ -8,6 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 INIT=$1 OUT=$2 STEPS=$3 PRECISION=$4; shift 4
+# the venv's python if there is one and none is active (as run_cpu.sh), else python on the PATH
+PY=${PYTHON:-$(if [[ -z ${VIRTUAL_ENV:-} && -x .venv/bin/python ]]; then echo .venv/bin/python; else echo python; fi)}
 DATA="gen:nums=3,range=1-20,test=200,val=100"
 bf16=$([[ $PRECISION == bf16 ]] && echo 1 || echo 0)
 rows=$([[ $bf16 == 1 ]] && echo 32 || echo 16)  # run_cpu.sh's --forward_rows for the path
@@ -24,15 +26,15 @@ for algo in "$@"; do
   esac
   d=$OUT/trl_${algo}_$PRECISION
   mkdir -p "$d"
-  echo "+ python benchmarks/trl_peer.py $algo --init $INIT --output_dir $d --max_steps $STEPS ${bf16/1/--bf16}"
-  /usr/bin/time -v -o "$d.time.txt" python benchmarks/trl_peer.py "$algo" --init "$INIT" --output_dir "$d" \
+  echo "+ python benchmarks/trl_peer.py $algo --init $INIT --output_dir $d --max_steps $STEPS$([[ $bf16 == 1 ]] && echo " --bf16")"
+  /usr/bin/time -v -o "$d.time.txt" "$PY" benchmarks/trl_peer.py "$algo" --init "$INIT" --output_dir "$d" \
     --max_steps "$STEPS" $([[ $bf16 == 1 ]] && echo --bf16) > "$d.log" 2>&1
   d=$OUT/ours_${algo}_$PRECISION
   echo "+ COUNTDOWN_CPU_BF16=$bf16 python $algo.py ${ours[*]} ${own[*]} --output_dir $d"
-  COUNTDOWN_CPU_BF16=$bf16 /usr/bin/time -v -o "$d.time.txt" python "$algo.py" "${ours[@]}" "${own[@]}" \
+  COUNTDOWN_CPU_BF16=$bf16 /usr/bin/time -v -o "$d.time.txt" "$PY" "$algo.py" "${ours[@]}" "${own[@]}" \
     --output_dir "$d" > "$d.log" 2>&1
 done
-python - "$OUT" <<'EOF'
+"$PY" - "$OUT" <<'EOF'
 import glob, json, os, re, statistics, sys
 for d in sorted(glob.glob(os.path.join(sys.argv[1], "*_*_*"))):
     if not os.path.isdir(d):

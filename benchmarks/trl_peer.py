@@ -91,7 +91,7 @@ def main():
                          "time/sample": sampling["s"]})
 
         def on_log(self, args, state, control, logs=None, **__):
-            if rows and logs:
+            if rows and logs and "reward" in logs:  # not the summary logged at the end
                 rows[-1].update({"train/reward": logs.get("reward"),
                                  "train/resp_len": logs.get("completions/mean_length")})
     trainer.add_callback(Clock())
