@@ -47,7 +47,7 @@ def random_path(numbers, rng):
 
 
 def arith_text(problems, rng):
-    """Plain arithmetic for the base stage: one random path per problem (its numbers), one per line,
+    """Plain arithmetic for the base stage: one random path per problem (its numbers), a step a line,
     written exactly as the traces write their steps ('3+5=8, left 7 8.\n7*8=56.')."""
     return "\n".join(_steps_text(random_path(nums, rng)[1]) for nums in problems)
 

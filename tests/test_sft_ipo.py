@@ -137,7 +137,7 @@ def test_base_stage_trains_on_plain_arithmetic(tmp_path):
     args = sft.parse_args(sft.Args, ["--data", "arith:nums=3,range=1-20,test=5,val=5"])
     prompts, write = D.sft_data(args.data, "train", 30, args.template, args.eval_problems)
     a, b = write(random.Random(1)), write(random.Random(2))
-    assert prompts == [""] * 30 and a != b and all(" = " in x and "Target" not in x for x in a)
+    assert prompts == [""] * 30 and a != b and all("=" in x and "Target" not in x for x in a)
     _, _, mask = LP.tokenize_pairs(M.build_tiny_tokenizer(), prompts[:2], a[:2])
     assert mask[:, 0].all()  # every token is a target (the first one conditions the rest)
     sft.main(["--init", "tiny", "--data", "arith:nums=3,range=1-20,test=5,val=5", "--eval_data", GEN,
@@ -164,7 +164,7 @@ def test_micro_batches_are_bounded_by_tokens_not_only_rows():
     assert LP.spans([2, 3, 3, 5, 9, 9, 9, 20], 4, 18) == [(0, 3), (3, 5), (5, 7), (7, 8)]  # 4 x 5 > 18
     tok = M.build_tiny_tokenizer()
     rng = random.Random(0)
-    responses = [" 1 + 2 = 3." * rng.randint(1, 30) for _ in range(40)]
+    responses = ["1+2=3." * rng.randint(1, 30) for _ in range(40)]  # the traces' steps
     prompts = [D.make_prompt([1, 2, 3], 6, "compact")] * 40
     mbs = list(sft.micro_batches(tok, prompts, responses, 16, 512, 1024, "cpu", max_tokens=2000))
     assert sum(len(ids) for ids, _, _ in mbs) == 40 and len(mbs) > 40 // 16 + 1

@@ -250,11 +250,13 @@ def test_trace_tries_are_uncapped_and_claims_are_honest(problems):
     rng, dead = random.Random(0), []
     for p in problems[:300]:
         lines = TR.make_trace(p["nums"], p["target"], rng, dead_ends=2.0).split("\n")[:-2]
-        for line in lines:
-            last = int(re.findall(r"= (\d+)\.", line)[-1])
+        tries = [line for line in lines if "Target" in line]  # a step a line; a try's last says its verdict
+        assert all(", left " in line for line in lines if "Target" not in line) and lines[-1] is tries[-1]
+        for line in tries:
+            last = int(re.findall(r"=(\d+)\. Target", line)[-1])
             assert line.endswith(f"Target {p['target']}, " + ("found." if last == p["target"] else "back."))
-            assert (last == p["target"]) == (line is lines[-1])
-        dead.append(len(lines) - 1)
+            assert (last == p["target"]) == (line is tries[-1])
+        dead.append(len(tries) - 1)
     assert 1.3 < sum(dead) / len(dead) < 2.1 and max(dead) >= 6 and dead.count(1) > 0
 
 
@@ -267,9 +269,10 @@ def test_near_misses_are_close_legal_misses(problems):
         if len(p["nums"]) != 3:
             continue
         for share, dist in ((1.0, near), (0.0, far)):
-            for line in TR.make_trace(p["nums"], p["target"], rng, 2.0, share).split("\n")[:-3]:
+            lines = TR.make_trace(p["nums"], p["target"], rng, 2.0, share).split("\n")
+            for line in [line for line in lines if "Target" in line][:-1]:  # the dead ends' verdicts
                 assert line.endswith(f"Target {p['target']}, back.")
-                dist.append(abs(int(re.findall(r"= (\d+)\.", line)[-1]) - p["target"]))
+                dist.append(abs(int(re.findall(r"=(\d+)\. Target", line)[-1]) - p["target"]))
     assert len(near) > 100 and 0 not in near and sorted(near)[len(near) // 2] * 4 < sorted(far)[len(far) // 2]
     a = [TR.make_trace(p["nums"], p["target"], random.Random(1), 1.0) for p in problems[:50]]
     assert a == [TR.make_trace(p["nums"], p["target"], random.Random(1), 1.0, 0.0) for p in problems[:50]]
@@ -279,20 +282,18 @@ def test_near_misses_are_close_legal_misses(problems):
 def test_arith_text_is_trace_steps_over_the_given_numbers():
     text = TR.arith_text([[7, 4, 5], [12, 3, 9, 20]], random.Random(0))
     lines = text.split("\n")
-    assert len(lines) == 2 and lines[0].count("=") == 2 and lines[1].count("=") == 3
-    assert "Target" not in text and text.startswith(("7 ", "4 ", "5 "))
+    assert [", left " in line for line in lines] == [True, False, True, True, False]  # a step a line
+    assert all(line.count("=") == 1 for line in lines)
+    assert "Target" not in text and re.match(r"[745][-+*/]", text) and re.match(r"(12|3|9|20)[-+*/]", lines[2])
 
 
 def test_trace_arithmetic_is_right():
     trace = TR.make_trace([7, 4, 5], 55, random.Random(1), dead_ends=3)
     for line in trace.split("\n")[:-2]:
-        for step in line.split(". "):
-            if "=" in step:
-                lhs, rhs = step.split("=")
-                a, op, b = lhs.split()
-                value = {"+": Fraction(a) + Fraction(b), "-": Fraction(a) - Fraction(b), "*": Fraction(a) * Fraction(b),
-                         "/": Fraction(a) / Fraction(b)}[op]
-                assert value == Fraction(rhs.split(",")[0].strip(" ."))
+        (a, op, b, rhs), = re.findall(r"^(\d+)([-+*/])(\d+)=(\d+)[,.]", line)  # a step a line
+        value = {"+": Fraction(a) + Fraction(b), "-": Fraction(a) - Fraction(b), "*": Fraction(a) * Fraction(b),
+                 "/": Fraction(a) / Fraction(b)}[op]
+        assert value == Fraction(rhs)
 
 
 def test_operator_flip_negatives_never_score_one(problems):
