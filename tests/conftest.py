@@ -40,7 +40,8 @@ def warm_python(tmp_path_factory):
         return
     d = tmp_path_factory.mktemp("warm")
     real, sock, shim = sys.executable, str(d / "sock"), d / "python"
-    server = subprocess.Popen([real, os.path.join(ROOT, "tests", "warm_python.py"), "--serve", sock])
+    server = subprocess.Popen([real, os.path.join(ROOT, "tests", "warm_python.py"), "--serve", sock,
+                               str(os.getpid())])  # it dies with this worker, however the worker ends
     shim.write_text(f'#!/bin/sh\nexec "{real}" -I -S "{os.path.join(ROOT, "tests", "warm_python.py")}" '
                     f'"{real}" "$@"\n')
     shim.chmod(0o755)

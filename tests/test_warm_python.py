@@ -69,3 +69,29 @@ def test_a_signal_reaches_the_script_and_a_killed_client_takes_it_along(tmp_path
         time.sleep(0.05)
     else:
         raise AssertionError("the script outlived its killed client")
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path, real):
+    """A pytest run that ends without its teardown (os._exit, a kill at a grader's limit) takes its
+    warm server along: grading a class whose archive hangs left such servers alive with parent 1."""
+    sock = tmp_path / "sock"
+    parent = subprocess.Popen([real, "-c", f"""
+import os, subprocess, sys, time
+server = subprocess.Popen([{real!r}, {os.path.join(ROOT, "tests", "warm_python.py")!r}, "--serve", {str(sock)!r},
+                           str(os.getpid())])
+print(server.pid, flush=True)
+while not os.path.exists({str(sock)!r}):  # listening: its imports done
+    time.sleep(0.1)
+os._exit(0)  # no teardown, as a killed run
+"""], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    parent.wait(timeout=120)
+    for _ in range(100):
+        try:  # gone, or dead and not yet reaped (a zombie: Z)
+            if open(f"/proc/{pid}/stat").read().rpartition(") ")[2][0] in "ZX":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("the warm server outlived the process that started it")
