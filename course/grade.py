@@ -551,14 +551,40 @@ def grade_one(archive, parts, cases_path, limit):
 
 
 def run_here(copy, args, env, timeout):
-    """This file's worker or stage runner in the copy, killed (with its children) at `timeout`."""
-    proc = subprocess.Popen([sys.executable, os.path.join(copy, "course", "grade.py"), *args], cwd=copy, env=env,
+    """This file's worker or stage runner in the copy, killed (with its children) at `timeout`, or with
+    this process however it ends (a session of its own, so it needs die_with: Ctrl-C reaches only ours)."""
+    proc = subprocess.Popen([sys.executable, os.path.join(copy, "course", "grade.py"), *args, "--parent",
+                             str(os.getpid())], cwd=copy, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:  # what it wrote before stands; the rest is reported as not graded
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def die_with(parent):
+    """End this process within a second of the grader `parent` (a pid) ending, however it ends: a
+    thread watches it (a parent-death signal would name the process that forked this one, which under
+    the suite's warm interpreter is not the grader)."""
+    import threading
+    import time
+
+    def gone():
+        try:
+            os.kill(parent, 0)
+            with open(f"/proc/{parent}/stat") as f:  # dead but not yet reaped: Z
+                return f.read().rpartition(") ")[2][:1] in ("Z", "X")
+        except ProcessLookupError:
+            return True
+        except OSError:  # no /proc (macOS): alive
+            return False
+
+    def watch():
+        while not gone():
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def read_lines(path):
@@ -639,9 +665,11 @@ def main():
     p.add_argument("--seed", type=int, default=20261129, help="the hidden cases' draw (keep it from the class)")
     p.add_argument("--gradescope", help="grade Gradescope's submission dir; write OUT/results.json")
     p.add_argument("--autograder", help="write Gradescope's autograder zip here and stop")
-    for flag in ("--worker", "--stage", "--blame", "--cases", "--result", "--argv"):
+    for flag in ("--worker", "--stage", "--blame", "--cases", "--result", "--argv", "--parent"):
         p.add_argument(flag, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.parent:
+        die_with(int(a.parent))
     if a.worker:
         return worker(a.worker.split(","), a.cases, a.limit, a.result)
     if a.stage:

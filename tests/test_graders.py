@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import re
+import sys
 
 import pytest
 from conftest import ROOT
@@ -448,6 +449,57 @@ def test_grading_a_class_trusts_no_verdict_summary_or_test_the_students_send(tmp
     assert "FAIL sft.sft_loss: sft_loss: over its 3 s limit" in dave, dave
     assert "FAIL verifier.dense_score: dense_score: rloo.py stopped in it in 2 steps: KeyError" in dave, dave
     assert rows["eve"]["code_points"] == "0" and "not a readable .tar.gz" in r.stdout, r.stdout
+
+
+def test_a_killed_grader_takes_its_workers_along(tmp_path):
+    """Grading killed midway (a job's time limit, a kill) leaves no worker behind: a hanging sft_loss
+    at a 60 s limit keeps a worker busy (in a session of its own); the grader killed, the worker ends
+    within seconds, not at its limit. Real interpreters, so that each process's command line is its own."""
+    import signal
+    import subprocess
+    import tarfile
+    import time
+    out = tmp_path / "handout"
+    make(str(out), ["verifier", "sft"])
+    fill(out, ["verifier.score", "verifier.dense_score", "sft.sft_loss"], {"sft.sft_loss": HANG})
+    with tarfile.open(tmp_path / "dave.tar.gz", "w:gz") as tar:
+        for f in ["verifier.py", "sft.py", "course/answers.md"]:
+            tar.add(out / f, arcname=f)
+    real = os.environ.get("WARM_PYTHON_REAL", sys.executable)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WARM_PYTHON")}
+    grades = tmp_path / "grades"
+    grader = subprocess.Popen([real, "course/grade.py", str(tmp_path / "dave.tar.gz"), "--parts", "verifier", "sft",
+                               "--out", str(grades), "--limit", "60"], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def workers():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+            except OSError:
+                continue
+            if "--worker" in argv and str(grades) in " ".join(argv):
+                found.append(int(pid))
+        return found
+    try:
+        for _ in range(600):
+            if workers() or grader.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert workers(), "no worker started"
+        time.sleep(2)  # in the hanging function
+        grader.kill()
+        grader.wait()
+        for _ in range(100):
+            if not workers():
+                return
+            time.sleep(0.1)
+        pytest.fail(f"the grader's workers {workers()} outlived it")
+    finally:
+        grader.kill()
+        for pid in workers():
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_gradescope_results_follow_its_format_and_the_autograder_zip_holds_the_key(tmp_path):
