@@ -10,7 +10,7 @@
   4. Three pieces the losses share (k3_kl, behavior_logp, mix_reference); the log (rollout_metrics).
 Nothing here knows one algorithm; plumbing/ holds what a step never needs read."""
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,8 @@ class Rollouts:
                             # distribution that sampled it (T = 0: raw), before top-k / top-p
     texts: list             # per row: decoded completion without EOS
     finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
+    versions: list = field(default_factory=list)  # per row: the weights that sampled it (the
+                            # trainer's step count then; plumbing/async_sampler.py)
 
 
 def _filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None):
@@ -364,8 +366,8 @@ def take_groups(picks, n):
     out = Rollouts([], [], [], [], [])
     for samples, k in picks:
         out.prompt_ids.append(samples.prompt_ids[k])
-        for field in ("completion_ids", "logprobs", "texts", "finished"):
-            getattr(out, field).extend(getattr(samples, field)[k * n:(k + 1) * n])
+        for f in ("completion_ids", "logprobs", "texts", "finished", "versions"):
+            getattr(out, f).extend(getattr(samples, f)[k * n:(k + 1) * n])
     return out
 
 

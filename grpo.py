@@ -19,7 +19,7 @@ Defaults: 002's Countdown recipe (16 x 16, lr 5e-6, β 0.001, T 1.5), 004's in -
   1. π_old is the trainer's own forward of the batch before its first update (TRL, verl), not the
      sampler's: at `--num_iterations 1` (DeepSeekMath's μ = 1) ρ = 1, clipping acts from the second
      pass on, and GSPO's and CISPO's gradients are GRPO's. The sampler's log-probs are the canary
-     (train/sampler_gap); --tis_cap C weights each token by min(π_old/π_sampler, C) (TIS).
+     (train/sampler_gap, train/mismatch); --is_correction weighs the surrogate by ρ = π_old/μ.
   2. Full fine-tuning unless --lora_rank (002 trains rank 8). 002's exploration knobs are flags:
      --bottom_p and --adaptive_temperature (§5.2); its filter and 001's tiers are --curriculum.
      Bottom-p samples off-policy: π_old in ρ stays softmax(logits / T), as 002 computes it.
@@ -34,14 +34,12 @@ from functools import partial
 
 import torch
 
-from common import (autocast, data_parallel, k3_kl, make_curriculum, make_sampler, micro_batches,
-                    mix_reference, probe, rollout_metrics, rollouts, score_rollouts, take_groups,
-                    token_stats)
-from evaluate import eval_metrics
-from plumbing.flags import (RLArgs, arg, check_choice, check_family, check_rl_args, cli, parse_args,
-                            parse_temperatures, seed_everything)
-from plumbing.harness import Run, frozen_copy, load_policy, prepare_run, step_seed, warmup_lr
-from plumbing.tasks import load_tasks
+from common import (autocast, data_parallel, k3_kl, micro_batches, mix_reference,
+                    rollout_metrics, score_rollouts, take_groups, token_stats)
+from plumbing.async_sampler import AheadSampler
+from plumbing.flags import RLArgs, arg, check_grpo, cli, parse_args, seed_everything
+from plumbing.harness import (Run, curriculum_tasks, frozen_copy, grpo_stats, load_policy,
+                              prepare_run, sampler_and_eval, warmup_lr)
 
 
 @dataclass
@@ -102,8 +100,11 @@ class Args(RLArgs):
     overlong_buffer: int = arg(0, "DAPO Eq. 13: L_buf, the budget's last tokens, where the reward "
                                   "falls linearly to −factor (DAPO: 4096 of 20480; 0: off)")
     overlong_factor: float = arg(1.0, "DAPO Eq. 13: the penalty at the budget (verl's default 1)")
-    tis_cap: float = arg(0.0, "C of truncated importance sampling: each token's surrogate times "
-                              "min(π_old/π_sampler, C), a bf16 engine's (TRL: 3, verl: 2; 0: off)")
+    is_correction: str = arg("none", "the sampler's correction, ρ = π_old/μ (off_policy_weight): "
+                                     "none | token_truncate (TIS) | token_mask (MIS) | "
+                                     "sequence_truncate | sequence_mask (for --async_steps or a "
+                                     "bf16 engine)")
+    is_cap: float = arg(2.0, "C of --is_correction: truncate at C, mask outside [1/C, C] (TRL: 2)")
 
     # the reward and the curriculum (common.py), as in rloo.py
     reward: str = arg("sparse", "sparse: verifier.score 1/0.1/0 (000) | dense: partial credit for "
@@ -134,11 +135,27 @@ def grpo_advantages(reward, scale=True, eps=1e-4):
     return centered / (reward.std(1, keepdim=True) + eps) if scale else centered
 
 
-def tis_weight(old_logp, sampler_logp, cap):
-    """Truncated importance sampling (TRL's and verl's): min(π_old/π_sampler, C) per token (b, T-1),
-    the correction for an engine whose numbers differ from the trainer's (bf16 vLLM: ~1e-2 a
-    token); ones when cap is 0."""
-    return (old_logp - sampler_logp).exp().clamp(max=cap) if cap > 0 else torch.ones_like(old_logp)
+def off_policy_weight(old_logp, sampler_logp, mask, mode="none", cap=2.0):
+    """The correction for rollouts the trainer's π did not sample: a sampler --async_steps behind,
+    or an engine that rounds otherwise (bf16 vLLM). ρ = π_old/μ, π_old the trainer's π before the
+    update (AReaL's π_prox: Fu et al. 2025, arXiv 2505.24298, clip around the trainer's own π and
+    weigh for the sampler's μ), μ the sampler's log-probs:
+      token_truncate     w_t = min(ρ_t, C)               TIS (Yao et al. 2025; TRL, verl)
+      token_mask         w_t = ρ_t · 1[1/C ≤ ρ_t ≤ C]    MIS (Liu, Li et al. 2025, "When Speed
+      sequence_truncate  w_t = min(ρ, C)                      Kills Stability")
+      sequence_mask      w_t = ρ · 1[1/C ≤ ρ ≤ C]        ρ = Π_t ρ_t, the rollout's, on its tokens
+    none: w = 1 (TRL's masks drop only ρ > C). old_logp, sampler_logp, mask: (b, T-1) -> w, and
+    where it was truncated or masked (b, T-1), the same on a rollout's tokens at sequence level."""
+    if mode == "none":
+        return torch.ones_like(old_logp), torch.zeros_like(old_logp, dtype=torch.bool)
+    log_rho = old_logp - sampler_logp                                                  # (b, T-1)
+    if mode.startswith("sequence"):
+        log_rho = (log_rho * mask).sum(-1, keepdim=True).expand_as(log_rho)     # log Π_t ρ_t
+    rho = log_rho.clamp(max=30).exp()  # beyond C either way
+    if mode.endswith("truncate"):
+        return rho.clamp(max=cap), rho > cap
+    out = (rho < 1 / cap) | (rho > cap)
+    return rho.masked_fill(out, 0.0), out
 
 
 def sequence_log_ratio(logp, old_logp, mask):
@@ -158,9 +175,9 @@ def cispo_surrogate(ratio, logp, A, eps_hi):
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl_ratio=True,
-              tis=1.0, mask=None, ratio_level="token", loss_type="clip"):
+              is_weight=1.0, mask=None, ratio_level="token", loss_type="clip"):
     """Per-token −l_it (b, T-1). logp, old_logp (π_old: the trainer's forward before the update),
-    ref_logp (None if β = 0), mask (GSPO's mean): (b, T-1); adv: (b,); tis: tis_weight's, or 1.
+    ref_logp (None if β = 0), mask (GSPO's mean): (b, T-1); adv: (b,); is_weight: off_policy_weight's.
     Where PPO's clipped term wins the min the token has no gradient (`clipped`); CISPO's capped
     tokens keep −(1 + ε_hi)·A·∇log π. Returns (loss (b, T-1), parts), parts' (b, T-1) each: "kl"
     (k3), "ratio" (ρ or s_i, detached), "clipped" (1.0 or 0.0), and "terms" {"pg", "kl"}."""
@@ -171,9 +188,9 @@ def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl
     A = adv[:, None]                                                                   # (b, 1)
     if loss_type == "cispo":  # a capped token keeps its gradient (Eq. 4)
         surrogate, clipped = cispo_surrogate(ratio, logp, A, eps_hi)
-        surrogate = surrogate * tis
+        surrogate = surrogate * is_weight
     else:
-        surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A) * tis
+        surrogate = torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + eps_hi) * A) * is_weight
         clipped = ((ratio > 1 + eps_hi) & (A > 0)) | ((ratio < 1 - epsilon) & (A < 0))
     kl = torch.zeros_like(logp) if ref_logp is None else \
         k3_kl(logp, ref_logp, old_logp if kl_ratio else None)  # (b, T-1) D_KL, Eq. 1
@@ -219,66 +236,76 @@ def flat_groups(scores, G):
 def overlong_penalty(lengths, max_len, buffer, factor):
     """DAPO Eq. 13, the soft overlong punishment added to the reward: 0 up to max_len − buffer
     tokens, then linear to −factor at max_len (a rollout the budget cut). lengths (n,) -> (n,)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.float)
     return ((max_len - buffer - lengths) / buffer).clamp(-1, 0) * factor
+
+
+def split_groups(samples, batch, G, dynamic):
+    """A draw's groups as (rollouts, prompt k, task): kept, and with DAPO's `dynamic` sampling the
+    flat ones apart (flat_groups)."""
+    is_flat = flat_groups(score_rollouts(samples, batch)[0], G) if dynamic else [False] * len(batch)
+    groups = [(samples, k, task) for k, task in enumerate(batch)]
+    return [g for g, f in zip(groups, is_flat) if not f], [g for g, f in zip(groups, is_flat) if f]
+
+
+def fill_batch(kept, flat, B, G):
+    """The step's B groups, kept ones first, flat ones filling where the draws' cap was reached:
+    their Rollouts, tasks, and how many were kept."""
+    picks = (kept + flat)[:B]
+    return take_groups([p[:2] for p in picks], G), [p[2] for p in picks], min(len(kept), B)
+
+
+def refill_metrics(run, world, n_kept, n_flat, draws, batch_size, G, dynamic):
+    """What --dynamic_sampling's full batch cost, over every rank (a mean x world); {} without."""
+    if not dynamic:
+        return {}
+    n = {k: v * world for k, v in run.mean({"kept": n_kept, "flat": n_flat}).items()}
+    return {"train/batches_sampled": draws, "train/groups_kept": n["kept"],
+            "train/rollouts_sampled": draws * batch_size * G,
+            "train/groups_dropped": (draws - 1) * batch_size,
+            "train/flat_groups": n["flat"] / (draws * batch_size)}
 
 
 def main(argv=None):
     args = parse_args(Args, argv)
-    check_rl_args(args.group_size, args.reward, args.curriculum)
-    check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
-    check_family(args.ratio_level, args.loss_type, args.max_sample_batches, args.overlong_buffer,
-                 args.max_response_len)
-    T_easy_hard = parse_temperatures(args.adaptive_temperature, args.backend, args.bottom_p)
+    T_easy_hard = check_grpo(args)  # one line for a flag's bad value; 002's (T_easy, T_hard)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     ref = frozen_copy(model) if args.beta > 0 else None  # π_ref: the frozen init
     world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
-    tasks = load_tasks(args.data, "train")
-    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len, args.decode)
+    sampler, evaluate = sampler_and_eval(args, model, tok)  # --backend; pass@k on val
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
-                       args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, ref=ref, **args.run_options(output_dir))
-    if args.curriculum == "filter" or T_easy_hard:  # 002 §5.2: the init's solve rate per problem
-        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
-                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
-                      step_seed(args.seed, 0), f"{output_dir}/probe.jsonl")
-    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,  # none: all, always
-                                 args.curriculum_window, args.curriculum_threshold,
-                                 run.extra.get("curriculum"))
+    tasks, curriculum = curriculum_tasks(args, sampler, model, tok, output_dir, run.extra,
+                                         bool(T_easy_hard))  # 002 §5.2's probe, 001's tiers
+    ahead = AheadSampler(args.async_steps, sampler, model, tok, args.seed, args.rollout_options(),
+                         args.sampler_threads, run.extra.get("ahead"))  # k ≥ 1: its own process
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
     B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
-        # ---- sample until the batch is full: B prompts x G rollouts from the snapshot π_old ----
-        # (DAPO Alg. 1 with --dynamic_sampling: a group all right or all wrong is left out, A = 0)
+        # ---- sample: B x G rollouts of the weights after step t − 1 − k (DAPO: until full) ----
         kept, flat, draws = [], [], 0  # kept, flat: (rollouts, prompt k, task) of sampled groups
         while draws < args.max_sample_batches and run.mean({"short": len(kept) < B})["short"]:
-            batch = run.next_tasks(tasks, B, curriculum.pool())  # every rank draws as often
-            T, _ = row_temperatures(batch, G, args.temperature, T_easy_hard)
-            samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
-                               T, args.max_response_len, step_seed(args.seed, step, draws),
-                               args.bottom_p, args.bottom_p_freq)
-            is_flat = flat_groups(score_rollouts(samples, batch)[0], G) if args.dynamic_sampling \
-                else [False] * B                                                          # (B,)
-            for k, is_flat_k in enumerate(is_flat):
-                (flat if is_flat_k else kept).append((samples, k, batch[k]))
-            draws += 1
-        n_kept, picks = min(len(kept), B), (kept + flat)[:B]  # cap reached: flat groups fill
-        samples, batch = take_groups([p[:2] for p in picks], G), [p[2] for p in picks]
+            for t in ahead.due(step, args.max_steps, draws):  # hand step t + k's prompts over
+                batch = run.next_tasks(tasks, B, curriculum.pool())  # every rank draws as often
+                T, _ = row_temperatures(batch, G, args.temperature, T_easy_hard)
+                ahead.put(t, batch, model, step - 1, T, draws)  # with the weights now
+            samples, batch = ahead.take(step)  # step t's, sampled k steps ago (k = 0: now)
+            kept_now, flat_now = split_groups(samples, batch, G, args.dynamic_sampling)
+            kept, flat, draws = kept + kept_now, flat + flat_now, draws + 1
+        samples, batch, n_kept = fill_batch(kept, flat, B, G)  # cap reached: flat groups fill
         _, T_rows = row_temperatures(batch, G, args.temperature, T_easy_hard)  # the trainer's
         run.sampled()
         # ---- score and advantage ----
         scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
                                         args.no_answer_reward)                 # (B*G,), (B, G)
         if args.overlong_buffer:  # DAPO Eq. 13 on the reward the advantage sees
-            lengths = torch.tensor([len(c) for c in samples.completion_ids], dtype=torch.float)
-            reward = reward + overlong_penalty(lengths, args.max_response_len, args.overlong_buffer,
+            reward = reward + overlong_penalty(list(map(len, samples.completion_ids)),
+                                               args.max_response_len, args.overlong_buffer,
                                                args.overlong_factor).view(B, G)
         adv = grpo_advantages(reward, args.scale_rewards).flatten()                    # (B*G,)
         keep, n_tok = loss_rows(samples, args.mask_truncated)  # (B*G,), response tokens in the loss
@@ -295,31 +322,24 @@ def main(argv=None):
                     out = token_stats(model, ids, attn, mask, T_mb, entropy="logged",
                                       prompts=prompts)
                     if ref is not None and i not in ref_logps:  # π_ref does not move within a batch
-                        with torch.no_grad():
-                            ref_logps[i] = token_stats(ref, ids, attn, mask, T_mb,
-                                                       prompts=prompts)["logp"]
+                        ref_logps[i] = torch.no_grad()(token_stats)(ref, ids, attn, mask, T_mb,
+                                                                    prompts=prompts)["logp"]
                 # π_old: this forward on the first pass, before any update (departure 1)
                 old_logp = old_logps.setdefault(i, out["logp"].detach())
-                tis = tis_weight(old_logp, sampler_logp, args.tis_cap)  # 1 unless --tis_cap
+                w, cut = off_policy_weight(old_logp, sampler_logp, m, args.is_correction,
+                                           args.is_cap)  # ρ = π_old/μ's weight, 1 if none
                 per_token, info = grpo_loss(out["logp"], old_logp, ref_logps.get(i),
                                             adv[rows].to(device), args.beta, args.epsilon,
-                                            args.epsilon_high, args.kl_ratio, tis, m,
+                                            args.epsilon_high, args.kl_ratio, w, m,
                                             args.ratio_level, args.loss_type)
-                if it == 0:  # --term_grads on diagnose steps: an extra backward per term
+                if it == 0:  # --term_grads on diagnose steps (a backward a term); π_old vs μ
                     stats.term_grads({k: agg(v, m) for k, v in info["terms"].items()}, 1)
+                    stats.sampler_gap(out["logp"], sampler_logp, m, rows)  # staleness, precision
                 loss = agg(per_token, m)
                 loss.backward()  # whole gradient (prompts too); torchrun: DDP averages over ranks
                 stats.add("loss", loss.item())
-                for k, v in (("entropy", out["entropy"]), ("kl", info["kl"]),
-                             ("ratio", info["ratio"]), ("clip_frac", info["clipped"]),
-                             ("tis_weight", tis)):
-                    if k == "clip_frac" and args.ratio_level == "sequence":  # GSPO: of rollouts
-                        stats.row_mean(k, v[:, 0] * keep[rows].to(device))
-                    else:
-                        stats.token_mean(k, v, m)
-                stats.max("ratio_max", info["ratio"] * m)
-                if it == 0:
-                    stats.sampler_gap(out["logp"], sampler_logp, m)
+                grpo_stats(stats, out, info, w, cut, m, keep[rows].to(device), args.is_correction,
+                           args.ratio_level == "sequence")
             # ---- the update: clip, the non-finite stop, step (num_iterations of them) ----
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
@@ -327,21 +347,19 @@ def main(argv=None):
             opt.zero_grad(set_to_none=True)
         mix_reference(ref, model, args.ref_sync_mix, step, args.ref_sync_every)  # 004, if asked
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(args.num_iterations),
-                   **rollout_metrics(samples, scores, reward, adv, batch)}
-        if args.dynamic_sampling:  # what the full batch cost, over every rank (a mean x world)
-            n = {k: v * world for k, v in run.mean({"kept": n_kept, "flat": len(flat)}).items()}
-            metrics.update({"train/batches_sampled": draws, "train/groups_kept": n["kept"],
-                            "train/rollouts_sampled": draws * args.batch_size * G,
-                            "train/groups_dropped": (draws - 1) * args.batch_size,
-                            "train/flat_groups": n["flat"] / (draws * args.batch_size)})
+        metrics = {**stats.metrics(args.num_iterations), **ahead.metrics(step),
+                   **rollout_metrics(samples, scores, reward, adv, batch), **refill_metrics(
+                       run, world, n_kept, len(flat), draws, args.batch_size, G,
+                       args.dynamic_sampling)}
         metrics.update(curriculum.update(metrics["train/accuracy"]))  # 001 Alg. 1, every rank's
+        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv, stats.log_rho)
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())
         run.log(step, metrics)
         if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
-            run.save(step, curriculum=curriculum.state())
+            run.save(step, curriculum=curriculum.state(), ahead=ahead.state())
+    ahead.close()
     run.close()
     return model, ref
 

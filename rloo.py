@@ -23,16 +23,15 @@ Real (1×H100, the paper's recipe = the defaults):
 CPU (embedded): the `rloo` stage of run_cpu.sh, which prints its exact command.
 """
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, data_parallel, k3_kl, make_curriculum, make_sampler,
-                    micro_batches, probe, rollout_metrics, rollouts, score_rollouts, token_stats)
-from evaluate import eval_metrics
-from plumbing.flags import RLArgs, arg, check_rl_args, cli, parse_args, seed_everything
-from plumbing.harness import Run, load_policy, prepare_run, step_seed, warmup_lr
-from plumbing.tasks import load_tasks
+from common import (autocast, behavior_logp, data_parallel, k3_kl, micro_batches, rollout_metrics,
+                    score_rollouts, token_stats)
+from plumbing.async_sampler import AheadSampler
+from plumbing.flags import RLArgs, arg, check_async, check_rl_args, cli, parse_args, seed_everything
+from plumbing.harness import (Run, curriculum_tasks, load_policy, prepare_run, sampler_and_eval,
+                              warmup_lr)
 
 
 @dataclass
@@ -128,35 +127,29 @@ def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size, args.reward, args.curriculum, args.pg_norm, args.mu,
                   args.positive_weight)
+    check_async(args.async_steps, args.backend, args.lora_rank)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
     world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
-    tasks = load_tasks(args.data, "train")
-    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len, args.decode)
+    sampler, evaluate = sampler_and_eval(args, model, tok)  # --backend; pass@k on val
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
-                       args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, **args.run_options(output_dir))
-    if args.curriculum == "filter":  # 002 §5.2: the init's solve rate on each probed problem
-        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
-                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
-                      step_seed(args.seed, 0), f"{output_dir}/probe.jsonl")
-    curriculum = make_curriculum(args.curriculum, tasks, args.curriculum_bins,  # none: all, always
-                                 args.curriculum_window, args.curriculum_threshold,
-                                 run.extra.get("curriculum"))
+    tasks, curriculum = curriculum_tasks(args, sampler, model, tok, output_dir,
+                                         run.extra)  # 002 §5.2's probe, 001's tiers
+    ahead = AheadSampler(args.async_steps, sampler, model, tok, args.seed, args.rollout_options(),
+                         args.sampler_threads, run.extra.get("ahead"))  # k ≥ 1: its own process
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
     B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
-        # ---- sample: B prompts x G rollouts from the snapshot μ ----
-        batch = run.next_tasks(tasks, B, curriculum.pool())
-        samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
-                           args.temperature, args.max_response_len, step_seed(args.seed, step))
+        # ---- sample: B prompts x G rollouts from μ, the weights after step t − 1 − k ----
+        for t in ahead.due(step, args.max_steps):  # hand step t + k's prompts over, weights now
+            ahead.put(t, run.next_tasks(tasks, B, curriculum.pool()), model, step - 1,
+                      args.temperature)
+        samples, batch = ahead.take(step)  # step t's, sampled k steps ago (k = 0: now)
         run.sampled()
         # ---- score and advantage ----
         scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
@@ -184,21 +177,24 @@ def main(argv=None):
             stats.token_mean("entropy", out["entropy"], m)
             stats.token_mean("kl", info["kl"], m)
             stats.max("is_weight_raw_max", info["is_weight_raw"])
-            stats.sampler_gap(out["logp"], sampler_logp, m)
+            stats.sampler_gap(out["logp"], sampler_logp, m, rows)  # staleness, precision
         # ---- the update: clip, the non-finite stop, step ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
             opt.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch)}
+        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch),
+                   **ahead.metrics(step)}
         metrics.update(curriculum.update(metrics["train/accuracy"]))  # 001 Alg. 1, every rank's
+        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv, stats.log_rho)
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())
         run.log(step, metrics)
         if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
-            run.save(step, curriculum=curriculum.state())
+            run.save(step, curriculum=curriculum.state(), ahead=ahead.state())
+    ahead.close()
     run.close()
     return model
 

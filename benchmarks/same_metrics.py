@@ -70,9 +70,13 @@ def same(x, y, rel):
                       and abs(x - y) <= rel * max(abs(x), abs(y)))
 
 
-def compare(a, b, rel=0.0):
+def compare(a, b, rel=0.0, new_keys=(), renamed=None):
     """Lines naming every difference between two runs' metrics (empty: identical; with `rel`, values
-    that far apart, relatively, count as the same)."""
+    that far apart, relatively, count as the same; `new_keys`: metrics only the working tree logs;
+    `renamed`: base name -> its name here, the values compared)."""
+    renamed = renamed or {}
+    a = {s: [{renamed.get(k, k): v for k, v in r.items()} for r in rows] for s, rows in a.items()}
+    b = {s: [{k: v for k, v in r.items() if k not in new_keys} for r in rows] for s, rows in b.items()}
     diffs = []
     for script in a:
         if [r["step"] for r in a[script]] != [r["step"] for r in b[script]]:
@@ -96,6 +100,10 @@ def main():
     p.add_argument("--scripts", default="sft,ipo,rloo,grpo,opd,rlt", help="which scripts, comma-separated")
     p.add_argument("--rel", type=float, default=0.0, help="relative difference still the same (a change of "
                                                           "float rounding, e.g. another forward)")
+    p.add_argument("--new_keys", default="", help="metrics the working tree adds, comma-separated: listed, "
+                                                  "not a difference")
+    p.add_argument("--renamed", default="", help="OLD=NEW,...: a metric the working tree renamed (values "
+                                                 "compared)")
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="same_metrics-")
     base = os.path.join(work, "tree")
@@ -109,7 +117,11 @@ def main():
     scripts = a.scripts.split(",")
     before = run(base, os.path.join(work, "base"), init, scripts)
     after = run(ROOT, os.path.join(work, "here"), init, scripts)
-    diffs = compare(before, after, a.rel)
+    new_keys = [k for k in a.new_keys.split(",") if k]
+    renamed = dict(x.split("=", 1) for x in a.renamed.split(",") if x)
+    diffs = compare(before, after, a.rel, new_keys, renamed)
+    for k in new_keys:
+        print(f"{k}: only here, in {[s for s in after if any(k in r for r in after[s])]}")
     for script in before:
         n = sum(len(r) for r in before[script])
         print(f"{script}: {len(before[script])} lines, {n} values: {'identical' if not any(d.startswith(script + ' ') or d.startswith(script + ':') for d in diffs) else 'DIFFERENT'}")

@@ -119,6 +119,16 @@ class RLArgs(TrainArgs):
                                   "graph kept for them: a walkthrough RLOO step peaked at 60.4 GB with it "
                                   "against an estimate of 34.9, 26.85 GB without (docs/gpu.md)")
 
+    async_steps: int = arg(0, "k: the sampler runs k steps ahead in a process of its own, so "
+                              "step t trains on rollouts of the weights after step t − 1 − k "
+                              "(TRL's AsyncGRPOTrainer, tinker's sampling_steps_ahead; 0: the "
+                              "loop takes turns; --backend hf on a CPU, one process; "
+                              "docs/studies/off_policy.md)")
+    sampler_threads: int = arg(1, "k ≥ 1: the sampler process's threads, taken from the trainer's")
+    log_rollouts: int = arg(0, "groups a step written to rollouts.jsonl (prompt, completions, "
+                               "rewards, advantages, importance weights, the version that "
+                               "sampled them); two steps side by side: python -m "
+                               "plumbing.rollout_log OUTPUT_DIR STEP STEP")
     prompt_forward: str = arg("auto", "the update's forward: shared (micro-batches of whole "
                                       "groups, each prompt's forward once for its G rollouts, "
                                       "common.decoder_states; auto on a CPU) | per_row (every "
@@ -130,6 +140,14 @@ class RLArgs(TrainArgs):
 
     def run_options(self, output_dir):
         return {**super().run_options(output_dir), "term_grads": self.term_grads}
+
+    def rollout_options(self):
+        """common.rollouts()'s arguments after the temperature, as the sampler process takes them
+        (plumbing/async_sampler.py)."""
+        return dict(n=self.group_size, template=self.template, max_prompt_len=self.max_prompt_len,
+                    max_new_tokens=self.max_response_len, decode=None if self.decode == "auto"
+                    else self.decode, bottom_p=getattr(self, "bottom_p", 1.0),
+                    bottom_p_freq=getattr(self, "bottom_p_freq", 1.0))
 
     def shares_prompts(self, model):
         """--prompt_forward resolved for `model`: shared, unless on a GPU (`auto`: its memory
@@ -168,15 +186,39 @@ def check_rl_args(group_size, reward="sparse", curriculum="none", pg_norm="sum",
         raise CountdownError(f"--positive_weight must be >= 0, not {positive_weight}")
 
 
-def check_family(ratio_level, loss_type, sample_batches, buffer, max_len):
-    """grpo.py's GSPO, CISPO and DAPO flags: one line for a value they cannot take."""
-    check_choice("ratio_level", ratio_level, ("token", "sequence"))
-    check_choice("loss_type", loss_type, ("clip", "cispo"))
-    if sample_batches < 1:
-        raise CountdownError(f"--max_sample_batches must be at least 1, not {sample_batches}")
-    if not 0 <= buffer <= max_len:
+def check_async(k, backend, lora_rank, dynamic_sampling=False):
+    """--async_steps: one line for what the sampler process cannot do (its device and world are
+    checked where it starts, plumbing/async_sampler.py)."""
+    if k < 0:
+        raise CountdownError(f"--async_steps must be 0 (take turns) or more, not {k}")
+    why = (backend != "hf" and "--backend vllm (its engine lives in the trainer's process)" or
+           lora_rank and "--lora_rank (the sampler process builds the plain model)" or
+           dynamic_sampling and "--dynamic_sampling (a refill needs this step's verdicts)")
+    if k and why:
+        raise CountdownError(f"--async_steps {k} with {why}: the sampler runs ahead with --backend "
+                             f"hf on a CPU, in one process; use --async_steps 0")
+
+
+def check_grpo(args):
+    """grpo.py's flags, the GRPO family's and --async_steps among them: one line for a value they
+    cannot take. Returns --adaptive_temperature as (T_easy, T_hard), or () when off."""
+    check_rl_args(args.group_size, args.reward, args.curriculum)
+    check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
+    check_choice("ratio_level", args.ratio_level, ("token", "sequence"))
+    check_choice("loss_type", args.loss_type, ("clip", "cispo"))
+    check_choice("is_correction", args.is_correction, ("none", "token_truncate", "token_mask",
+                                                       "sequence_truncate", "sequence_mask"))
+    if args.is_cap <= 1:
+        raise CountdownError(f"--is_cap must be above 1 (truncate at C, mask outside [1/C, C]), "
+                             f"not {args.is_cap}")
+    if args.max_sample_batches < 1:
+        raise CountdownError(f"--max_sample_batches must be at least 1, not "
+                             f"{args.max_sample_batches}")
+    if not 0 <= args.overlong_buffer <= args.max_response_len:
         raise CountdownError(f"--overlong_buffer must be 0 (off) to --max_response_len "
-                             f"({max_len}), not {buffer}")
+                             f"({args.max_response_len}), not {args.overlong_buffer}")
+    check_async(args.async_steps, args.backend, args.lora_rank, args.dynamic_sampling)
+    return parse_temperatures(args.adaptive_temperature, args.backend, args.bottom_p)
 
 
 def parse_temperatures(adaptive, backend, bottom_p):

@@ -13,14 +13,19 @@ import random
 import shutil
 import time
 import warnings
+from functools import partial
 
 import torch
 
+from common import make_curriculum, make_sampler, probe
+from evaluate import eval_metrics
 from plumbing.checkpoints import (latest_state, load_state, save_checkpoint, save_state,
                                   step_is_finite)
 from plumbing import distributed as ranks
+from plumbing import rollout_log
 from plumbing.flags import CountdownError, follow_threads
 from plumbing.models import check_same_tokenizer, frozen_dtype, load_model, trains_in_bf16
+from plumbing.tasks import load_tasks
 
 
 def prepare_run(output_dir, resume="", overwrite=False):
@@ -133,6 +138,31 @@ def compile_pays(device):
     return True
 
 
+def sampler_and_eval(args, model, tok):
+    """An RL script's sampler (--backend) and its periodic evaluation on --eval_data's val split
+    with that sampler: evaluate() -> eval/... metrics."""
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len, args.decode)
+    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
+    return sampler, partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
+                            args.eval_max_new_tokens, args.template, args.seed, sampler)
+
+
+def curriculum_tasks(args, sampler, model, tok, output_dir, state, probe_all=False):
+    """The train split and the curriculum that draws from it (common.make_curriculum; none: all
+    of it, always). With --curriculum filter (002 §5.2), or `probe_all` (grpo.py's adaptive
+    temperature), the first --probe_problems, each with the init's solve rate from
+    --probe_samples samples (common.probe; kept in probe.jsonl for a resumed run)."""
+    tasks = load_tasks(args.data, "train")
+    if args.curriculum == "filter" or probe_all:
+        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
+                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
+                      step_seed(args.seed, 0), f"{output_dir}/probe.jsonl")
+    return tasks, make_curriculum(args.curriculum, tasks, args.curriculum_bins,
+                                  args.curriculum_window, args.curriculum_threshold,
+                                  state.get("curriculum"))
+
+
 def warmup_lr(opt, lr, step, warmup_steps):
     """Set and return step's lr: linear up to `lr` over warmup_steps, then constant. A function of
     the step, so --resume needs no scheduler state."""
@@ -148,6 +178,25 @@ def step_seed(seed, step, draw=0):
     return seed * 100_003 + step + draw * 1_000_003  # primes larger than any run's steps
 
 
+def grpo_stats(stats, out, info, is_weight, cut, m, keep, correction, sequence):
+    """grpo.py's micro-batch train/<name>s: token means over the loss's tokens, or over rollouts
+    where the thing is a rollout's (GSPO's clip, a sequence-level correction's cut); out:
+    token_stats', info: grpo_loss's parts, is_weight and cut: off_policy_weight's."""
+    stats.token_mean("entropy", out["entropy"], m)
+    stats.token_mean("kl", info["kl"], m)
+    stats.token_mean("ratio", info["ratio"], m)
+    stats.max("ratio_max", info["ratio"] * m)
+    stats.token_mean("is_correction", is_weight, m)  # the mean weight ρ's correction gives
+    for name, v, of_rows in (("clip_frac", info["clipped"], sequence),
+                             (f"is_{correction.split('_')[-1]}ed", cut.float(),
+                              correction.startswith("sequence"))):
+        if name == "clip_frac" or correction != "none":  # (is_truncated, is_masked)
+            if of_rows:  # a rollout's: its first token's
+                stats.row_mean(name, v[:, 0] * keep)
+            else:
+                stats.token_mean(name, v, m)
+
+
 class StepStats:
     """A step's metrics summed over its micro-batches as `train/<name>`: token means over the
     batch's `n_tokens` loss tokens, means over its `n_rows` rollouts, maxima, and the
@@ -161,6 +210,7 @@ class StepStats:
         # over the ranks, in metrics() as in DDP's gradient, are the whole batch's
         self.n_rows, self.n_tokens = n_rows, max(n_tokens, 1)
         self.sums, self.maxima, self.gap = {}, {}, None  # gap: the RL scripts'
+        self.ess, self.log_rho = [0.0, 0.0], {}  # Σρ_i, Σρ_i² and row -> log ρ_i (sampler_gap)
         self.params = [] if model is None else [p for p in model.parameters() if p.requires_grad]
         self.grads = {}  # term -> its gradient, summed over micro-batches
 
@@ -179,8 +229,19 @@ class StepStats:
     def max(self, name, value):
         self.maxima[name] = max(self.maxima.get(name, 0.0), value.max().item())
 
-    def sampler_gap(self, logp, sampler_logp, mask):
-        self.gap = (self.gap or 0.0) + ((logp.detach() - sampler_logp).abs() * mask).sum().item()
+    def sampler_gap(self, logp, sampler_logp, mask, rows=()):
+        """The trainer's π (before the update) against the sampler's μ on the sampled tokens, mask
+        (b, T-1): the mean |log π − log μ| (train/sampler_gap), k3's estimate of KL(μ‖π)
+        (train/mismatch: staleness and precision alike), and each rollout's ρ_i = Π_t π/μ, whose
+        effective sample size (Σρ)²/(n Σρ²) is train/is_ess (1: all equal; Huang et al. 2026,
+        "Stable Asynchrony", watch it fall) and whose log, by row, the rollouts' log keeps."""
+        d = (logp.detach() - sampler_logp) * mask  # (b, T-1) log π/μ
+        self.gap = (self.gap or 0.0) + d.abs().sum().item()
+        self.token_mean("mismatch", d.exp() - 1 - d, mask)  # k3: r − 1 − log r, r = π/μ
+        seq = d.sum(-1).double()  # (b,) log ρ_i
+        rho = seq.clamp(-300, 300).exp()
+        self.ess = [self.ess[0] + rho.sum().item(), self.ess[1] + rho.square().sum().item()]
+        self.log_rho.update(zip(rows, seq.tolist()))
 
     def term_grads(self, terms, scale):
         """How much of the update each knob really moves (grad/pg, grad/entropy, grad/kl: the
@@ -201,7 +262,8 @@ class StepStats:
     def metrics(self, passes=1, per_token=False):
         """The sums over `passes` passes of the batch (GRPO's num_iterations) as their mean per
         pass (per_token: per loss token too); under torchrun, of every rank's."""
-        gap = {} if self.gap is None else {"sampler_gap": self.gap}
+        gap = {} if self.gap is None else {"sampler_gap": self.gap, "ess": self.ess[0],
+                                           "ess_sq": self.ess[1]}
         sums = ranks.reduce({**self.sums, **gap})
         per = passes * (self.n_tokens if per_token else 1)
         out = {f"train/{k}": v / per for k, v in sums.items() if k not in gap}
@@ -209,7 +271,10 @@ class StepStats:
         for k, acc in self.grads.items():
             norm = torch.sqrt(sum(ranks.mean_tensor(a).float().square().sum() for a in acc))
             out[f"grad/{k}"] = norm.item()
-        return {**out, **{"train/sampler_gap": sums[k] / self.n_tokens for k in gap}}
+        if gap:  # (Σρ)² / (n Σρ²) over every rank's rollouts (the means of the ranks' sums)
+            out["train/sampler_gap"] = sums["sampler_gap"] / self.n_tokens
+            out["train/is_ess"] = sums["ess"] ** 2 / max(self.n_rows * sums["ess_sq"], 1e-300)
+        return out
 
 
 class Run:
@@ -330,6 +395,12 @@ class Run:
         if self.log_file:  # rank 0's
             self.log_file.log(step, metrics)
 
+    def log_rollouts(self, step, n_groups, samples, tasks, scores, reward, adv, log_rho):
+        """--log_rollouts: the step's first n_groups groups to rollouts.jsonl (rank 0's)."""
+        if n_groups and self.log_file:
+            rollout_log.append(os.path.join(self.output_dir, "rollouts.jsonl"), step, samples,
+                               tasks, scores, reward, adv, log_rho, n_groups)
+
     def save(self, step, **extra):
         """A resumable state of the step (what --resume restarts from), with the script's `extra`
         data state; by rank 0 (DDP's ranks hold the same; FSDP's shards gathered first)."""
@@ -363,11 +434,8 @@ class Logger:
             with open(os.path.join(output_dir, "args.json"), "w") as f:
                 json.dump(config, f, indent=1)
         path = os.path.join(output_dir, "metrics.jsonl")
-        # resumed: drop what was logged after the restored state
-        if start_step and os.path.isfile(path):
-            keep = [line for line in open(path)
-                    if line.strip() and json.loads(line)["step"] <= start_step]
-            open(path, "w").writelines(keep)
+        for log in (path, os.path.join(output_dir, "rollouts.jsonl")):  # resumed: drop what was
+            rollout_log.keep_steps(log, start_step)                    # logged after the state
         self.file = open(path, "a")
         self.total, self.t0 = total_steps, time.time()
         self.bar = tqdm(total=total_steps, initial=start_step, leave=False, dynamic_ncols=True)

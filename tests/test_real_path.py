@@ -140,23 +140,28 @@ def run_perturbed(module, shift, flags, tmp_path, monkeypatch, tiny_ckpt):
 
 def test_grpo_takes_pi_old_from_the_trainer_and_the_sampler_is_the_canary(tmp_path, monkeypatch, tiny_ckpt):
     """ρ = 1 on the first pass whatever the sampler says (as TRL and verl); the sampler's offset
-    shows in train/sampler_gap; --tis_cap C weights tokens by min(π_old/π_sampler, C)."""
+    shows in train/sampler_gap and train/mismatch; --is_correction token_truncate weighs tokens by
+    min(π_old/π_sampler, C)."""
     row = run_perturbed(grpo, 0.3, [], tmp_path, monkeypatch, tiny_ckpt)
     assert row["train/ratio"] == pytest.approx(1, abs=1e-6) and row["train/clip_frac"] == 0
-    assert row["train/sampler_gap"] == pytest.approx(0.3, abs=1e-4) and row["train/tis_weight"] == 1
-    row = run_perturbed(grpo, -0.3, ["--tis_cap", "2"], tmp_path, monkeypatch, tiny_ckpt)
-    assert row["train/tis_weight"] == pytest.approx(torch.tensor(0.3).exp().item(), abs=1e-4)
-    row = run_perturbed(grpo, -1.0, ["--tis_cap", "2"], tmp_path, monkeypatch, tiny_ckpt)
-    assert row["train/tis_weight"] == pytest.approx(2.0, abs=1e-6)  # e^1, truncated at C
+    assert row["train/sampler_gap"] == pytest.approx(0.3, abs=1e-4) and row["train/is_correction"] == 1
+    assert row["train/mismatch"] == pytest.approx(torch.tensor(-0.3).exp().item() - 1 + 0.3, abs=1e-4)  # k3
+    row = run_perturbed(grpo, -0.3, ["--is_correction", "token_truncate"], tmp_path, monkeypatch, tiny_ckpt)
+    assert row["train/is_correction"] == pytest.approx(torch.tensor(0.3).exp().item(), abs=1e-4)
+    assert row["train/is_truncated"] == 0
+    row = run_perturbed(grpo, -1.0, ["--is_correction", "token_truncate"], tmp_path, monkeypatch, tiny_ckpt)
+    assert row["train/is_correction"] == pytest.approx(2.0, abs=1e-6)  # e^1, truncated at C
+    assert row["train/is_truncated"] == 1
+    row = run_perturbed(grpo, -1.0, ["--is_correction", "token_mask"], tmp_path, monkeypatch, tiny_ckpt)
+    assert row["train/is_correction"] == 0 and row["train/is_masked"] == 1  # e^1 > C: every token dropped
 
 
-def test_tis_weight_and_its_place_in_the_grpo_loss_by_hand():
+def test_the_off_policy_weight_and_its_place_in_the_grpo_loss_by_hand():
     old, samp = torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-1.5, -1.0, -3.0]])
-    w = grpo.tis_weight(old, samp, 2.0)
+    w, _ = grpo.off_policy_weight(old, samp, torch.ones(1, 3), "token_truncate", 2.0)
     assert torch.allclose(w, torch.tensor([[0.5, -1.0, 2.5]]).exp().clamp(max=2.0))
-    assert torch.equal(grpo.tis_weight(old, samp, 0.0), torch.ones(1, 3))
     logp, adv = torch.tensor([[-0.9, -2.0, -0.5]]), torch.tensor([1.0])
-    per_token, parts = grpo.grpo_loss(logp, old, None, adv, 0.0, 0.2, tis=w)
+    per_token, parts = grpo.grpo_loss(logp, old, None, adv, 0.0, 0.2, is_weight=w)
     ratio = (logp - old).exp()
     assert torch.allclose(per_token, -torch.min(ratio, ratio.clamp(0.8, 1.2)) * w)  # the PG term only
 
