@@ -37,7 +37,7 @@ class AheadSampler:
     def __init__(self, k, sampler, model, tok, seed, options, threads=1, pending=None):
         self.k, self.sampler, self.tok, self.seed, self.options = k, sampler, tok, seed, options
         self.asked, self.done = {}, {}  # step -> (tasks, version); step -> (Rollouts, times)
-        for step, tasks, samples, version, times in pending or ():  # --resume: finished requests
+        for step, tasks, version, samples, times in pending or ():  # --resume: finished requests
             self.asked[step], self.done[step] = (tasks, version), (samples, times)
         self.proc = None
         if k == 0:

@@ -54,6 +54,9 @@ def commands(ckpt):
                 "--batch_size", "4", "--micro_batch", "2", "--epochs", "1", "--lr", "1e-3"],
         "rloo": ["rloo.py", "--init", ckpt, *RL, "--max_steps", "3"],
         "grpo": ["grpo.py", "--init", ckpt, *RL, "--max_steps", "3", "--ref_sync_every", "1", "--num_iterations", "2"],
+        # the sampler two steps ahead: step 3's rollouts, sampled before the state of step 2, ride in it
+        "grpo_async": ["grpo.py", "--init", ckpt, *RL, "--max_steps", "3", "--async_steps", "2", "--is_correction",
+                       "token_mask", "--log_rollouts", "1"],
         "opd": ["opd.py", "--init", ckpt, "--teacher", ckpt, *RL, "--max_steps", "3"],
         "rlt": ["rlt.py", "--init", ckpt, "--student", ckpt, *RL, "--max_steps", "3", "--ref_sync_every", "1",
                 "--max_response_len", "30"],
@@ -68,7 +71,7 @@ def comparable(row):
     return {k: v for k, v in row.items() if not k.startswith("time/") and k != "wall"}
 
 
-@pytest.mark.parametrize("script", ["sft", "ipo", "rloo", "grpo", "opd", "rlt"])
+@pytest.mark.parametrize("script", ["sft", "ipo", "rloo", "grpo", "grpo_async", "opd", "rlt"])
 def test_a_resumed_run_continues_exactly(script, ckpt, tmp_path):
     """Kill after step 2, resume: step 3 is the uninterrupted run's step 3, to the last digit (CPU,
     fixed seed). The killed run is the full run's directory as it was after step 2: its newest
@@ -91,6 +94,9 @@ def test_a_resumed_run_continues_exactly(script, ckpt, tmp_path):
     assert comparable(a[-1]) == comparable(b[-1])
     sa, sb = (torch.load(os.path.join(d, "state", "step_0000003", "state.pt"), weights_only=False) for d in (full, cut))
     assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+    if script == "grpo_async":  # and the rollouts' log, step 3 sampled by the init in both
+        logs = [open(os.path.join(d, "rollouts.jsonl")).read() for d in (full, cut)]
+        assert logs[0] == logs[1] and json.loads(logs[1].splitlines()[-1])["version"][0] == 0
 
 
 def test_an_existing_run_is_never_overwritten_silently(tmp_path):
