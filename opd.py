@@ -29,16 +29,16 @@ CPU (embedded): the `opd` and `opd_anticollapse` stages of run_cpu.sh, which pri
 commands.
 """
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, data_parallel, make_sampler, micro_batches,
-                    rollout_metrics, rollouts, score_rollouts, token_stats)
-from evaluate import eval_metrics
-from plumbing.flags import (CountdownError, RLArgs, arg, check_choice, check_rl_args, cli,
-                            parse_args, seed_everything)
-from plumbing.harness import Run, load_frozen, load_policy, prepare_run, step_seed, warmup_lr
+from common import (autocast, behavior_logp, data_parallel, micro_batches, rollout_metrics,
+                    score_rollouts, token_stats)
+from plumbing.async_sampler import AheadSampler
+from plumbing.flags import (CountdownError, RLArgs, arg, check_async, check_choice, check_rl_args,
+                            cli, parse_args, seed_everything)
+from plumbing.harness import (Run, load_frozen, load_policy, prepare_run, sampler_and_eval,
+                              warmup_lr)
 from plumbing.tasks import load_tasks
 
 
@@ -127,6 +127,7 @@ def main(argv=None):
     if args.kd_temperature <= 0:
         raise CountdownError(f"--kd_temperature must be positive, not {args.kd_temperature}")
     check_choice("kd_loss", args.kd_loss, ("forward", "reverse"))
+    check_async(args.async_steps, args.backend, args.lora_rank)
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)
     model, tok, device = load_policy(args.init, **args.policy_options())
@@ -134,22 +135,20 @@ def main(argv=None):
     teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
     world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     tasks = load_tasks(args.data, "train")
-    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len, args.decode)
+    sampler, evaluate = sampler_and_eval(args, model, tok)  # --backend; pass@k on val
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    evaluate = partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
-                       args.eval_max_new_tokens, args.template, args.seed, sampler)
     run = Run(output_dir, args.max_steps, model, tok, opt, **args.run_options(output_dir))
+    ahead = AheadSampler(args.async_steps, sampler, model, tok, args.seed, args.rollout_options(),
+                         args.sampler_threads, run.extra.get("ahead"))  # k ≥ 1: its own process
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
     B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
-        # ---- sample: B prompts x G rollouts from the student's snapshot μ ----
-        batch = run.next_tasks(tasks, B)
-        samples = rollouts(sampler, model, tok, batch, G, args.template, args.max_prompt_len,
-                           args.temperature, args.max_response_len, step_seed(args.seed, step))
+        # ---- sample: B prompts x G rollouts from the student's μ, the weights after step t − 1 − k ----
+        for t in ahead.due(step, args.max_steps):  # hand step t + k's prompts over, weights now
+            ahead.put(t, run.next_tasks(tasks, B), model, step - 1, args.temperature)
+        samples, batch = ahead.take(step)  # step t's, sampled k steps ago (k = 0: now)
         run.sampled()
         # ---- score and advantage ----
         scores, reward = score_rollouts(samples, batch, args.reward, args.wrong_reward,
@@ -179,20 +178,23 @@ def main(argv=None):
             stats.token_mean("kl", out["kl"], m)
             stats.token_mean("entropy", out["entropy"], m)
             stats.max("is_weight_raw_max", info["is_weight_raw"])
-            stats.sampler_gap(out["logp"], sampler_logp, m)
+            stats.sampler_gap(out["logp"], sampler_logp, m, rows)  # staleness, precision
         # ---- the update: clip, the non-finite stop, step ----
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if run.finite(step, stats.sums["loss"], grad_norm):  # else stop (or --skip_nonfinite)
             opt.step()
         opt.zero_grad(set_to_none=True)
         # ---- log, evaluate, checkpoint ----
-        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch)}
+        metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch),
+                   **ahead.metrics(step)}
+        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv, stats.log_rho)
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())
         run.log(step, metrics)
         if step == args.max_steps or step % args.save_every == 0:  # what --resume restarts from
-            run.save(step)
+            run.save(step, ahead=ahead.state())
+    ahead.close()
     run.close()
     return model
 

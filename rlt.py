@@ -251,6 +251,9 @@ def rlt_metrics(samples, reward, r_ss, r_kl, penalized, expl_tokens):
 def main(argv=None):
     args = parse_args(Args, argv)
     check_rl_args(args.group_size)
+    if args.async_steps or args.log_rollouts:  # said, not ignored
+        raise CountdownError("rlt.py samples and trains in turns: --async_steps and --log_rollouts "
+                             "are rloo.py's, grpo.py's and opd.py's")
     check_choice("kl_estimator", args.kl_estimator, ("sampled", "exact"))
     output_dir = prepare_run(args.output_dir, args.resume, args.overwrite)  # never over a done run
     seed_everything(args.seed)

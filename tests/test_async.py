@@ -16,6 +16,7 @@ from conftest import GEN, ROOT
 from conftest import run_cli as cli
 
 import grpo
+import opd
 import rloo
 from common import HFSampler, rollouts
 from plumbing import async_sampler
@@ -180,13 +181,23 @@ def test_rloo_k_1_and_the_lines_for_what_cannot_run_ahead(tiny_ckpt, tmp_path, m
             ("grpo.py", ["--async_steps", "1", "--dynamic_sampling"], "--async_steps 1 with --dynamic_sampling"),
             ("rloo.py", ["--async_steps", "-1"], "--async_steps must be 0"),
             ("grpo.py", ["--is_correction", "token"], "--is_correction must be"),
-            ("grpo.py", ["--is_cap", "1"], "--is_cap must be above 1")):
+            ("grpo.py", ["--is_cap", "1"], "--is_cap must be above 1"),
+            ("rlt.py", ["--student", tiny_ckpt, "--async_steps", "1"], "rlt.py samples and trains in turns"),
+            ("opd.py", ["--teacher", tiny_ckpt, "--async_steps", "1", "--backend", "vllm"], "with --backend vllm")):
         r = cli(script, *base, *flags)
         assert r.returncode == 2 and r.stderr.count("error: ") == 1 and says in r.stderr, r.stderr[-800:]
     monkeypatch.setattr(async_sampler.ranks, "world", lambda: 2)
     model, tok = load_model(tiny_ckpt, torch.device("cpu"))
     with pytest.raises(CountdownError, match="--async_steps 1 under torchrun"):
         AheadSampler(1, None, model, tok, 0, OPTIONS)
+
+
+def test_opd_runs_ahead_as_rloo_does(tiny_ckpt, tmp_path):
+    opd.main(["--init", tiny_ckpt, "--teacher", tiny_ckpt, *FAST, "--max_steps", "3", "--async_steps", "1",
+              "--log_rollouts", "1", "--output_dir", str(tmp_path)])
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["train/staleness"] for r in rows[1:]] == [0, 1, 1] and not children(os.getpid())
+    assert [json.loads(x)["version"][0] for x in open(tmp_path / "rollouts.jsonl")] == [0, 0, 1]
 
 
 def test_a_nan_stop_ends_the_sampler_process(tiny_ckpt, tmp_path):
