@@ -177,7 +177,8 @@ def cispo_surrogate(ratio, logp, A, eps_hi):
 def grpo_loss(logp, old_logp, ref_logp, adv, beta, epsilon, epsilon_high=0.0, kl_ratio=True,
               is_weight=1.0, mask=None, ratio_level="token", loss_type="clip"):
     """Per-token −l_it (b, T-1). logp, old_logp (π_old: the trainer's forward before the update),
-    ref_logp (None if β = 0), mask (GSPO's mean): (b, T-1); adv: (b,); is_weight: off_policy_weight's.
+    ref_logp (None if β = 0), mask (GSPO's mean): (b, T-1); adv: (b,); is_weight:
+    off_policy_weight's.
     Where PPO's clipped term wins the min the token has no gradient (`clipped`); CISPO's capped
     tokens keep −(1 + ε_hi)·A·∇log π. Returns (loss (b, T-1), parts), parts' (b, T-1) each: "kl"
     (k3), "ratio" (ρ or s_i, detached), "clipped" (1.0 or 0.0), and "terms" {"pg", "kl"}."""
@@ -352,7 +353,8 @@ def main(argv=None):
                        run, world, n_kept, len(flat), draws, args.batch_size, G,
                        args.dynamic_sampling)}
         metrics.update(curriculum.update(metrics["train/accuracy"]))  # 001 Alg. 1, every rank's
-        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv, stats.log_rho)
+        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv,
+                         stats.log_rho)  # --log_rollouts N: N groups to rollouts.jsonl
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())

@@ -145,7 +145,7 @@ def main(argv=None):
     B, G = args.batch_size // world, args.group_size  # B: this rank's prompts
     for step in run.steps():  # from run.start + 1: a resumed run goes on where its state ends
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
-        # ---- sample: B prompts x G rollouts from the student's μ, the weights after step t − 1 − k ----
+        # ---- sample: B prompts x G rollouts from the student's weights after step t − 1 − k ----
         for t in ahead.due(step, args.max_steps):  # hand step t + k's prompts over, weights now
             ahead.put(t, run.next_tasks(tasks, B), model, step - 1, args.temperature)
         samples, batch = ahead.take(step)  # step t's, sampled k steps ago (k = 0: now)
@@ -187,7 +187,8 @@ def main(argv=None):
         # ---- log, evaluate, checkpoint ----
         metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch),
                    **ahead.metrics(step)}
-        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv, stats.log_rho)
+        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv,
+                         stats.log_rho)  # --log_rollouts N: N groups to rollouts.jsonl
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())

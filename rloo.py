@@ -10,7 +10,7 @@ Departures from the paper:
   1. The paper names no estimator or direction for the KL to the sampler μ. We use k3 (001 §3.1.4)
      times the differentiable ratio π_θ/μ: on μ's tokens its gradient is KL(π_θ‖μ)'s (--no-kl_ratio:
      plain k3). With the HF sampler μ *is* the policy, so w = 1 and the term is ~0; it acts with
-     vLLM's snapshot or a slower sync. --mu trainer takes μ from the trainer's own forward instead
+     vLLM or a sampler --async_steps ahead. --mu trainer takes μ from the trainer's own forward instead
      (w = 1, KL 0): a bf16 engine's rounding then moves nothing (docs/vllm.md).
   2. The entropy and KL are token means, Eq. 3 a sum over ~100 tokens: λ_H's term pulled 3e-5 as
      hard (grad/<term>; docs/studies/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
@@ -187,7 +187,8 @@ def main(argv=None):
         metrics = {**stats.metrics(), **rollout_metrics(samples, scores, reward, adv, batch),
                    **ahead.metrics(step)}
         metrics.update(curriculum.update(metrics["train/accuracy"]))  # 001 Alg. 1, every rank's
-        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv, stats.log_rho)
+        run.log_rollouts(step, args.log_rollouts, samples, batch, scores, reward, adv,
+                         stats.log_rho)  # --log_rollouts N: N groups to rollouts.jsonl
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             run.checkpoint()  # first: an evaluation that fails loses nothing
             metrics.update(evaluate())

@@ -2,7 +2,7 @@
 one-step-off-policy recipe and tinker's `sampling_steps_ahead` run RL: the loop hands step t + k's
 prompts to the sampler with the weights it has now (version t − 1, the weights after step t − 1),
 then takes step t's rollouts, sampled k steps ago by version t − 1 − k (the init for the first
-k + 1 steps): k versions behind the π it trains. k = 0 is the loop that takes turns, in this process.
+k + 1 steps): k versions behind the π it trains. k = 0: the loop that takes turns, in this process.
 
 k ≥ 1: the HF sampler runs in a process of its own (spawned, `threads` threads, a core of two
 taken from the trainer's) while the trainer updates. Weights travel through shared memory, not a
@@ -32,7 +32,7 @@ from plumbing.harness import step_seed
 class AheadSampler:
     """put(step, tasks, model, version, temperature) hands a step's prompts over; take(step) ->
     (Rollouts, tasks), each row's `versions` the weights that sampled it. `options`: rollouts()'s
-    arguments after the temperature (group size, template, prompt and response budgets, bottom-p)."""
+    arguments after the temperature (group size, template, prompt and token budgets, bottom-p)."""
 
     def __init__(self, k, sampler, model, tok, seed, options, threads=1, pending=None):
         self.k, self.sampler, self.tok, self.seed, self.options = k, sampler, tok, seed, options
