@@ -38,8 +38,7 @@ class Rollouts:
                             # distribution that sampled it (T = 0: raw), before top-k / top-p
     texts: list             # per row: decoded completion without EOS
     finished: list          # per row: stopped at EOS (False = truncated at max_new_tokens)
-    versions: list = field(default_factory=list)  # per row: the weights that sampled it (the
-                            # trainer's step count then; plumbing/async_sampler.py)
+    versions: list = field(default_factory=list)  # per row: the weights' version that sampled it
 
 
 def _filter_logits(logits, temperature, top_k, top_p, bottom_p=1.0, explore=None):
@@ -135,10 +134,9 @@ class HFSampler:
         # autocast cached in it, freed when it ends
         with _decode_precision(self.model.device):
             for s in range(0, len(rows), size):
-                for acc, new in zip((out_ids, out_lp, finished),
-                                    batch(rows[s:s + size], temperature, top_p, top_k,
-                                          max_new_tokens, draws.rows(s, s + size), bottom_p,
-                                          bottom_p_freq)):
+                for acc, new in zip((out_ids, out_lp, finished), batch(
+                        rows[s:s + size], temperature, top_p, top_k, max_new_tokens,
+                        draws.rows(s, s + size), bottom_p, bottom_p_freq)):
                     acc += new
                 if progress:
                     progress(len(rows[s:s + size]))

@@ -100,10 +100,10 @@ class Args(RLArgs):
     overlong_buffer: int = arg(0, "DAPO Eq. 13: L_buf, the budget's last tokens, where the reward "
                                   "falls linearly to −factor (DAPO: 4096 of 20480; 0: off)")
     overlong_factor: float = arg(1.0, "DAPO Eq. 13: the penalty at the budget (verl's default 1)")
-    is_correction: str = arg("none", "the sampler's correction, ρ = π_old/μ (off_policy_weight): "
-                                     "none | token_truncate (TIS) | token_mask (MIS) | "
-                                     "sequence_truncate | sequence_mask (for --async_steps or a "
-                                     "bf16 engine)")
+    is_correction: str = arg("auto", "ρ = π_old/μ's weight (off_policy_weight): none | "
+                                     "token_truncate | token_mask | sequence_truncate | "
+                                     "sequence_mask | auto: token_truncate at --async_steps ≥ 1 "
+                                     "(none collapsed there: docs/studies/off_policy.md), else none")
     is_cap: float = arg(2.0, "C of --is_correction: truncate at C, mask outside [1/C, C] (TRL: 2)")
 
     # the reward and the curriculum (common.py), as in rloo.py

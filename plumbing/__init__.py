@@ -14,6 +14,8 @@ verifier.py, evaluate.py); this package imports nothing from it but verifier.py.
   fast_decode.py   the HF sampler's fast twin (and its CUDA graph), equal to common.py's loop
   shared_prompts.py  the RL forward's fast path: each prompt once for its group, inside autograd
   vllm_engine.py   the vLLM engine behind common.VLLMSampler: its options, sleep, wake, weight reload
+  async_sampler.py the HF sampler k steps ahead in a process of its own (--async_steps)
+  rollout_log.py   a step's rollouts to rollouts.jsonl, and two steps side by side
   distributed.py   torchrun: DDP or FSDP2 around the forward, each rank's share, keyed draws
   report.py        tables and plots (evaluate.py --run / --plot / --compare)
   pipeline.py      run_cpu.sh's scheduler of stages side by side

@@ -206,8 +206,11 @@ def check_grpo(args):
     check_choice("loss_agg", args.loss_agg, ("seq-mean", "token-mean", "constant"))
     check_choice("ratio_level", args.ratio_level, ("token", "sequence"))
     check_choice("loss_type", args.loss_type, ("clip", "cispo"))
-    check_choice("is_correction", args.is_correction, ("none", "token_truncate", "token_mask",
-                                                       "sequence_truncate", "sequence_mask"))
+    check_choice("is_correction", args.is_correction, ("auto", "none", "token_truncate",
+                                                       "token_mask", "sequence_truncate",
+                                                       "sequence_mask"))
+    if args.is_correction == "auto":  # resolved here, so args.json records what ran
+        args.is_correction = "token_truncate" if args.async_steps else "none"
     if args.is_cap <= 1:
         raise CountdownError(f"--is_cap must be above 1 (truncate at C, mask outside [1/C, C]), "
                              f"not {args.is_cap}")

@@ -167,6 +167,17 @@ def test_grpo_k_steps_ahead_logs_its_staleness_reruns_the_same_and_leaves_no_pro
     assert head.startswith("step 1: ") and "|  step 3: " in head
 
 
+def test_grpo_corrects_a_sampler_ahead_unless_told_otherwise():
+    """--is_correction auto: token TIS at k ≥ 1 (without a correction k = 1 collapsed on both seeds,
+    docs/studies/off_policy.md), none at k = 0 (the loop that takes turns, unchanged)."""
+    def resolved(*flags):
+        args = grpo.parse_args(grpo.Args, list(flags))
+        grpo.check_grpo(args)
+        return args.is_correction
+    assert resolved() == "none" and resolved("--async_steps", "1") == "token_truncate"
+    assert resolved("--async_steps", "1", "--is_correction", "none") == "none"
+
+
 def test_rloo_k_1_and_the_lines_for_what_cannot_run_ahead(tiny_ckpt, tmp_path, monkeypatch):
     """RLOO at k = 1 trains on rollouts one version behind (its w = π_θ/μ then moves off 1); what
     cannot run ahead says so in one line."""
