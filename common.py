@@ -20,9 +20,11 @@ from plumbing import fast_decode
 from plumbing.distributed import (Draws, fsdp_units, gather, gathered, keyed, prompt_keys, release,
                                   wrap, wrapper)
 from plumbing.flags import CountdownError
+from plumbing.harness import step_seed
 from plumbing.models import cache_name, causal_only, cpu_attention_on, trains_in_bf16
+from plumbing.models import decode_precision as _decode_precision
 from plumbing.shared_prompts import group_chunks, group_prompts, shared_states, spans
-from plumbing.tasks import solve_rates
+from plumbing.tasks import load_tasks, solve_rates, tiers
 from plumbing.traces import mistake_shares, strategy_metrics, strategy_stats
 from plumbing.vllm_engine import Engine
 from verifier import dense_score, make_prompt, score
@@ -203,14 +205,6 @@ def _pick(logits, temperature, top_p, top_k, gen, bottom_p, bottom_p_freq):
     return _sample(_filter_logits(logits, temperature, top_k, top_p, bottom_p, explore), gen)
 
 
-def _decode_precision(dev):
-    """What the decode runs under: bf16 autocast on a GPU (half the KV cache, the bf16 trainer's
-    precision), fp32 on a CPU, where sampling is fastest (common.autocast)."""
-    if dev.type == "cuda":
-        return torch.autocast("cuda", torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 # ---- sampling, the vLLM backend ------------------------------------------------------------------
 class VLLMSampler(Engine):
     """A vLLM engine in the trainer's process (its management: plumbing/vllm_engine.py), whose
@@ -269,17 +263,6 @@ def make_sampler(backend, model, tokenizer, model_dir, seed=0, max_model_len=204
 #           last W steps reaches τ, the next tier unlocks. 001 gives no W or τ (ours: 10, 0.6).
 #   filter  paper 002 §5.2: only problems the init solves sometimes (probe() measures each from k
 #           samples; 002 from one SFT answer): always or never, its groups' A = 0.
-def tiers(tasks, bins):
-    """001 Algorithm 1, line 1: task indices in tiers, by operand count, then `bins` equal-count
-    bins of the target within each count; smaller counts and targets first."""
-    out = []
-    for count in sorted({len(t["nums"]) for t in tasks}):
-        idx = sorted((i for i, t in enumerate(tasks) if len(t["nums"]) == count),
-                     key=lambda i: tasks[i]["target"])
-        out += [idx[len(idx) * b // bins: len(idx) * (b + 1) // bins] for b in range(bins)]
-    return [tier for tier in out if tier]
-
-
 class Curriculum:
     """The tiers unlocked so far (001 Algorithm 1, lines 2-8). One tier of every problem (`none`)
     or of the probed ones the init solves sometimes (`filter`) never moves."""
@@ -330,6 +313,19 @@ def probe(sampler, model, tok, tasks, k, template, max_prompt_len, temperature, 
                            max_new_tokens, seed)
         return (score_rollouts(samples, tasks)[0].view(len(tasks), k) == 1).float().mean(1).tolist()
     return solve_rates(path, tasks, k, measure)
+
+
+def curriculum_tasks(args, sampler, model, tok, output_dir, state, probe_all=False):
+    """The train split and the Curriculum that draws from it (rloo.py's and grpo.py's flags), the
+    init probed first with --curriculum filter or `probe_all` (grpo.py's adaptive temperature)."""
+    tasks = load_tasks(args.data, "train")
+    if args.curriculum == "filter" or probe_all:
+        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
+                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
+                      step_seed(args.seed, 0), f"{output_dir}/probe.jsonl")
+    return tasks, make_curriculum(args.curriculum, tasks, args.curriculum_bins,
+                                  args.curriculum_window, args.curriculum_threshold,
+                                  state.get("curriculum"))
 
 
 # ---- the batch: rollouts and the verifier's scores -----------------------------------------------

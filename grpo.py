@@ -34,13 +34,13 @@ from functools import partial
 
 import torch
 
-from common import (autocast, data_parallel, k3_kl, micro_batches, mix_reference,
-                    rollout_metrics, score_rollouts, take_groups, token_stats)
-from plumbing.async_sampler import AheadSampler
+from common import (autocast, curriculum_tasks, data_parallel, k3_kl, make_sampler, micro_batches,
+                    mix_reference, rollout_metrics, rollouts, score_rollouts, take_groups,
+                    token_stats)
+from evaluate import eval_metrics
 from plumbing.flags import RLArgs, arg, check_grpo, cli, parse_args, seed_everything
-from plumbing.harness import (Run, curriculum_tasks, frozen_copy, grpo_stats, load_policy,
-                              prepare_run, sampler_and_eval, warmup_lr)
-
+from plumbing.harness import (AheadSampler, Run, frozen_copy, grpo_stats, held_out, load_policy,
+                              prepare_run, step_seed, warmup_lr)
 
 @dataclass
 class Args(RLArgs):
@@ -103,7 +103,7 @@ class Args(RLArgs):
     is_correction: str = arg("auto", "ρ = π_old/μ's weight (off_policy_weight): none | "
                                      "token_truncate | token_mask | sequence_truncate | "
                                      "sequence_mask | auto: token_truncate at --async_steps ≥ 1 "
-                                     "(none collapsed there: docs/studies/off_policy.md), else none")
+                                     "(none collapsed: docs/studies/off_policy.md), else none")
     is_cap: float = arg(2.0, "C of --is_correction: truncate at C, mask outside [1/C, C] (TRL: 2)")
 
     # the reward and the curriculum (common.py), as in rloo.py
@@ -136,10 +136,9 @@ def grpo_advantages(reward, scale=True, eps=1e-4):
 
 
 def off_policy_weight(old_logp, sampler_logp, mask, mode="none", cap=2.0):
-    """The correction for rollouts the trainer's π did not sample: a sampler --async_steps behind,
-    or an engine that rounds otherwise (bf16 vLLM). ρ = π_old/μ, π_old the trainer's π before the
-    update (AReaL's π_prox: Fu et al. 2025, arXiv 2505.24298, clip around the trainer's own π and
-    weigh for the sampler's μ), μ the sampler's log-probs:
+    """The correction for rollouts a sampler --async_steps behind (or bf16 vLLM) drew: ρ = π_old/μ,
+    π_old the trainer's π before the update (AReaL's π_prox, Fu et al. 2025, arXiv 2505.24298:
+    clip around the trainer's own π, weigh for the sampler's μ), μ the sampler's log-probs:
       token_truncate     w_t = min(ρ_t, C)               TIS (Yao et al. 2025; TRL, verl)
       token_mask         w_t = ρ_t · 1[1/C ≤ ρ_t ≤ C]    MIS (Liu, Li et al. 2025, "When Speed
       sequence_truncate  w_t = min(ρ, C)                      Kills Stability")
@@ -242,16 +241,14 @@ def overlong_penalty(lengths, max_len, buffer, factor):
 
 
 def split_groups(samples, batch, G, dynamic):
-    """A draw's groups as (rollouts, prompt k, task): kept, and with DAPO's `dynamic` sampling the
-    flat ones apart (flat_groups)."""
+    """A draw's groups (rollouts, prompt k, task): kept, and flat ones apart if DAPO's `dynamic`."""
     is_flat = flat_groups(score_rollouts(samples, batch)[0], G) if dynamic else [False] * len(batch)
     groups = [(samples, k, task) for k, task in enumerate(batch)]
     return [g for g, f in zip(groups, is_flat) if not f], [g for g, f in zip(groups, is_flat) if f]
 
 
 def fill_batch(kept, flat, B, G):
-    """The step's B groups, kept ones first, flat ones filling where the draws' cap was reached:
-    their Rollouts, tasks, and how many were kept."""
+    """The step's B groups (kept first, flat ones fill at the cap): Rollouts, tasks, n kept."""
     picks = (kept + flat)[:B]
     return take_groups([p[:2] for p in picks], G), [p[2] for p in picks], min(len(kept), B)
 
@@ -276,12 +273,14 @@ def main(argv=None):
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
     ref = frozen_copy(model) if args.beta > 0 else None  # π_ref: the frozen init
     world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
-    sampler, evaluate = sampler_and_eval(args, model, tok)  # --backend; pass@k on val
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len, args.decode)
+    evaluate = partial(eval_metrics, model, tok, *held_out(args), sampler)  # pass@k on val
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     run = Run(output_dir, args.max_steps, model, tok, opt, ref=ref, **args.run_options(output_dir))
     tasks, curriculum = curriculum_tasks(args, sampler, model, tok, output_dir, run.extra,
                                          bool(T_easy_hard))  # 002 §5.2's probe, 001's tiers
-    ahead = AheadSampler(args.async_steps, sampler, model, tok, args.seed, args.rollout_options(),
+    ahead = AheadSampler(args.async_steps, sampler, rollouts, model, tok, args.rollout_options(),
                          args.sampler_threads, run.extra.get("ahead"))  # k ≥ 1: its own process
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
@@ -294,7 +293,7 @@ def main(argv=None):
             for t in ahead.due(step, args.max_steps, draws):  # hand step t + k's prompts over
                 batch = run.next_tasks(tasks, B, curriculum.pool())  # every rank draws as often
                 T, _ = row_temperatures(batch, G, args.temperature, T_easy_hard)
-                ahead.put(t, batch, model, step - 1, T, draws)  # with the weights now
+                ahead.put(t, batch, model, step - 1, T, step_seed(args.seed, t, draws))  # θ now
             samples, batch = ahead.take(step)  # step t's, sampled k steps ago (k = 0: now)
             kept_now, flat_now = split_groups(samples, batch, G, args.dynamic_sampling)
             kept, flat, draws = kept + kept_now, flat + flat_now, draws + 1

@@ -29,18 +29,18 @@ CPU (embedded): the `opd` and `opd_anticollapse` stages of run_cpu.sh, which pri
 commands.
 """
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, data_parallel, micro_batches, rollout_metrics,
-                    score_rollouts, token_stats)
-from plumbing.async_sampler import AheadSampler
+from common import (autocast, behavior_logp, data_parallel, make_sampler, micro_batches,
+                    rollout_metrics, rollouts, score_rollouts, token_stats)
+from evaluate import eval_metrics
 from plumbing.flags import (CountdownError, RLArgs, arg, check_async, check_choice, check_rl_args,
                             cli, parse_args, seed_everything)
-from plumbing.harness import (Run, load_frozen, load_policy, prepare_run, sampler_and_eval,
-                              warmup_lr)
+from plumbing.harness import (AheadSampler, Run, held_out, load_frozen, load_policy, prepare_run,
+                              step_seed, warmup_lr)
 from plumbing.tasks import load_tasks
-
 
 @dataclass
 class Args(RLArgs):
@@ -135,10 +135,12 @@ def main(argv=None):
     teacher = load_frozen(args.teacher, device, tok, args.init)  # bf16 on a GPU; it never trains
     world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     tasks = load_tasks(args.data, "train")
-    sampler, evaluate = sampler_and_eval(args, model, tok)  # --backend; pass@k on val
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len, args.decode)
+    evaluate = partial(eval_metrics, model, tok, *held_out(args), sampler)  # pass@k on val
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     run = Run(output_dir, args.max_steps, model, tok, opt, **args.run_options(output_dir))
-    ahead = AheadSampler(args.async_steps, sampler, model, tok, args.seed, args.rollout_options(),
+    ahead = AheadSampler(args.async_steps, sampler, rollouts, model, tok, args.rollout_options(),
                          args.sampler_threads, run.extra.get("ahead"))  # k ≥ 1: its own process
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
@@ -147,7 +149,8 @@ def main(argv=None):
         warmup_lr(opt, args.lr, step, args.warmup_steps)  # constant after an optional warm-up
         # ---- sample: B prompts x G rollouts from the student's weights after step t − 1 − k ----
         for t in ahead.due(step, args.max_steps):  # hand step t + k's prompts over, weights now
-            ahead.put(t, run.next_tasks(tasks, B), model, step - 1, args.temperature)
+            ahead.put(t, run.next_tasks(tasks, B), model, step - 1, args.temperature,
+                      step_seed(args.seed, t))
         samples, batch = ahead.take(step)  # step t's, sampled k steps ago (k = 0: now)
         run.sampled()
         # ---- score and advantage ----

@@ -10,7 +10,7 @@ Departures from the paper:
   1. The paper names no estimator or direction for the KL to the sampler μ. We use k3 (001 §3.1.4)
      times the differentiable ratio π_θ/μ: on μ's tokens its gradient is KL(π_θ‖μ)'s (--no-kl_ratio:
      plain k3). With the HF sampler μ *is* the policy, so w = 1 and the term is ~0; it acts with
-     vLLM or a sampler --async_steps ahead. --mu trainer takes μ from the trainer's own forward instead
+     vLLM or a sampler --async_steps ahead. --mu trainer takes μ from the trainer's forward instead
      (w = 1, KL 0): a bf16 engine's rounding then moves nothing (docs/vllm.md).
   2. The entropy and KL are token means, Eq. 3 a sum over ~100 tokens: λ_H's term pulled 3e-5 as
      hard (grad/<term>; docs/studies/loss_terms.md). --pg_norm mean divides Eq. 3 by the token count.
@@ -23,16 +23,16 @@ Real (1×H100, the paper's recipe = the defaults):
 CPU (embedded): the `rloo` stage of run_cpu.sh, which prints its exact command.
 """
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from common import (autocast, behavior_logp, data_parallel, k3_kl, micro_batches, rollout_metrics,
-                    score_rollouts, token_stats)
-from plumbing.async_sampler import AheadSampler
+from common import (autocast, behavior_logp, curriculum_tasks, data_parallel, k3_kl, make_sampler,
+                    micro_batches, rollout_metrics, rollouts, score_rollouts, token_stats)
+from evaluate import eval_metrics
 from plumbing.flags import RLArgs, arg, check_async, check_rl_args, cli, parse_args, seed_everything
-from plumbing.harness import (Run, curriculum_tasks, load_policy, prepare_run, sampler_and_eval,
+from plumbing.harness import (AheadSampler, Run, held_out, load_policy, prepare_run, step_seed,
                               warmup_lr)
-
 
 @dataclass
 class Args(RLArgs):
@@ -133,12 +133,14 @@ def main(argv=None):
     model, tok, device = load_policy(args.init, **args.policy_options())
     world = data_parallel(model, args.fsdp, args.batch_size)  # torchrun's N ranks, else 1
     share = args.shares_prompts(model)  # each prompt's forward once for its G rollouts
-    sampler, evaluate = sampler_and_eval(args, model, tok)  # --backend; pass@k on val
+    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
+                           args.max_prompt_len + args.max_response_len, args.decode)
+    evaluate = partial(eval_metrics, model, tok, *held_out(args), sampler)  # pass@k on val
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     run = Run(output_dir, args.max_steps, model, tok, opt, **args.run_options(output_dir))
     tasks, curriculum = curriculum_tasks(args, sampler, model, tok, output_dir,
                                          run.extra)  # 002 §5.2's probe, 001's tiers
-    ahead = AheadSampler(args.async_steps, sampler, model, tok, args.seed, args.rollout_options(),
+    ahead = AheadSampler(args.async_steps, sampler, rollouts, model, tok, args.rollout_options(),
                          args.sampler_threads, run.extra.get("ahead"))  # k ≥ 1: its own process
     if run.start == 0:  # where the init starts
         run.log(0, evaluate())
@@ -148,7 +150,7 @@ def main(argv=None):
         # ---- sample: B prompts x G rollouts from μ, the weights after step t − 1 − k ----
         for t in ahead.due(step, args.max_steps):  # hand step t + k's prompts over, weights now
             ahead.put(t, run.next_tasks(tasks, B, curriculum.pool()), model, step - 1,
-                      args.temperature)
+                      args.temperature, step_seed(args.seed, t))
         samples, batch = ahead.take(step)  # step t's, sampled k steps ago (k = 0: now)
         run.sampled()
         # ---- score and advantage ----

@@ -9,7 +9,7 @@ taken from the trainer's) while the trainer updates. Weights travel through shar
 file: a ring of k + 1 copies, version v in slot v mod (k + 1), written when the trainer hands over
 the request that needs it. The slot it overwrites held version v − k − 1, whose last request (step
 v) the trainer has already taken, so the sampler never reads a slot being written. Each request is
-seeded by its step (harness.step_seed) as the loop that takes turns seeds it, so a seed and k give
+seeded by its step (harness.step_seed), as the loop that takes turns seeds it, so a seed and k give
 the same rollouts run to run, and --resume (the finished requests ride in the saved state) goes on
 as the uninterrupted run. The process ends with the trainer however it ends: close() on success, a
 daemon at an error's exit, Linux's parent-death signal at a kill; a sampler that dies or fails ends
@@ -26,7 +26,6 @@ import torch
 
 from plumbing import distributed as ranks
 from plumbing.flags import CountdownError
-from plumbing.harness import step_seed
 
 
 class AheadSampler:
@@ -34,8 +33,9 @@ class AheadSampler:
     (Rollouts, tasks), each row's `versions` the weights that sampled it. `options`: rollouts()'s
     arguments after the temperature (group size, template, prompt and token budgets, bottom-p)."""
 
-    def __init__(self, k, sampler, model, tok, seed, options, threads=1, pending=None):
-        self.k, self.sampler, self.tok, self.seed, self.options = k, sampler, tok, seed, options
+    def __init__(self, k, sampler, rollouts, model, tok, options, threads=1, pending=None):
+        self.k, self.sampler, self.rollouts, self.tok, self.options = (k, sampler, rollouts, tok,
+                                                                       options)
         self.asked, self.done = {}, {}  # step -> (tasks, version); step -> (Rollouts, times)
         for step, tasks, version, samples, times in pending or ():  # --resume: finished requests
             self.asked[step], self.done[step] = (tasks, version), (samples, times)
@@ -53,9 +53,9 @@ class AheadSampler:
         self.written = {}  # slot -> the version it holds
         ctx = multiprocessing.get_context("spawn")  # a forked OpenMP runtime can hang
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=serve, daemon=True, args=(
-            os.getpid(), model.config, names, self.slots, tok, options, threads, self.inbox,
-            self.outbox))
+        self.proc = ctx.Process(target=serve, daemon=True, args=(  # the sampler's class and
+            os.getpid(), type(sampler), rollouts, model.config, names, self.slots, tok, options,
+            threads, self.inbox, self.outbox))  # common.rollouts travel by name, not copied
         self.proc.start()
         # an error or a NaN stop: ended when this object goes (or the interpreter exits)
         self.stop = weakref.finalize(self, stop, self.proc, self.inbox)
@@ -70,30 +70,30 @@ class AheadSampler:
             return [step]
         return [s for s in range(step, min(step + self.k, last) + 1) if s not in self.asked]
 
-    def put(self, step, tasks, model, version, temperature, draw=0):
-        """Hand step's prompts to the sampler with `model`'s weights, version `version`."""
+    def put(self, step, tasks, model, version, temperature, seed):
+        """Hand step's prompts to the sampler with `model`'s weights, version `version`, and the
+        step's seed (harness.step_seed: the loop that takes turns seeds it so)."""
         self.asked[step] = (tasks, version)
         if self.k == 0:  # sampled in take(), in this process, with the weights then (the same)
-            self.model, self.temperature, self.draw = model, temperature, draw
+            self.model, self.temperature, self.seed = model, temperature, seed
             return
         slot = version % (self.k + 1)
         if self.written.get(slot) != version:  # the slot's last reader (step version) is done
             for n, p in model.named_parameters():
                 self.slots[slot][n].copy_(p.detach())
             self.written[slot] = version
-        self.inbox.put((step, tasks, temperature, slot, step_seed(self.seed, step)))
+        self.inbox.put((step, tasks, temperature, slot, seed))
 
     def take(self, step):
         """Step's rollouts and tasks: sampled now (k = 0) or waited for (the sampler's order is the
         steps' order)."""
-        from common import rollouts
         tasks, version = self.asked[step]
         if self.k == 0:
             o = self.options
-            samples = rollouts(self.sampler, self.model, self.tok, tasks, o["n"], o["template"],
-                               o["max_prompt_len"], self.temperature, o["max_new_tokens"],
-                               step_seed(self.seed, step, self.draw), o["bottom_p"],
-                               o["bottom_p_freq"])
+            samples = self.rollouts(self.sampler, self.model, self.tok, tasks, o["n"],
+                                    o["template"], o["max_prompt_len"], self.temperature,
+                                    o["max_new_tokens"], self.seed, o["bottom_p"],
+                                    o["bottom_p_freq"])
             self.done[step] = (samples, {})
         while step not in self.done:
             self.receive()
@@ -156,19 +156,19 @@ def die_with_parent(parent):
         os._exit(1)
 
 
-def serve(parent, config, names, slots, tok, options, threads, inbox, outbox):
+def serve(parent, sampler_class, rollouts, config, names, slots, tok, options, threads, inbox,
+          outbox):
     """The sampler process: for each request, the model's weights pointed at the request's slot,
-    then common.rollouts() as the loop that takes turns calls it."""
+    then `rollouts` (common.rollouts) as the loop that takes turns calls it."""
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
 
-    from common import HFSampler, rollouts
     try:
         model = AutoModelForCausalLM.from_config(config).eval()
         params = dict(model.named_parameters())
-        sampler = HFSampler(model, tok, decode=options["decode"])
+        sampler = sampler_class(model, tok, decode=options["decode"])
         while True:
             t0 = time.time()
             request = inbox.get()

@@ -13,17 +13,15 @@ import random
 import shutil
 import time
 import warnings
-from functools import partial
 
 import torch
 
-from common import make_curriculum, make_sampler, probe
-from evaluate import eval_metrics
 from plumbing.checkpoints import (latest_state, load_state, save_checkpoint, save_state,
                                   step_is_finite)
 from plumbing import distributed as ranks
 from plumbing import rollout_log
 from plumbing.flags import CountdownError, follow_threads
+from plumbing.async_sampler import AheadSampler  # noqa: F401  the scripts take it from here
 from plumbing.models import check_same_tokenizer, frozen_dtype, load_model, trains_in_bf16
 from plumbing.tasks import load_tasks
 
@@ -138,29 +136,11 @@ def compile_pays(device):
     return True
 
 
-def sampler_and_eval(args, model, tok):
-    """An RL script's sampler (--backend) and its periodic evaluation on --eval_data's val split
-    with that sampler: evaluate() -> eval/... metrics."""
-    sampler = make_sampler(args.backend, model, tok, args.init, args.seed,
-                           args.max_prompt_len + args.max_response_len, args.decode)
-    eval_tasks = load_tasks(args.eval_data, "val", args.eval_problems)
-    return sampler, partial(eval_metrics, model, tok, eval_tasks, args.eval_samples,
-                            args.eval_max_new_tokens, args.template, args.seed, sampler)
-
-
-def curriculum_tasks(args, sampler, model, tok, output_dir, state, probe_all=False):
-    """The train split and the curriculum that draws from it (common.make_curriculum; none: all
-    of it, always). With --curriculum filter (002 §5.2), or `probe_all` (grpo.py's adaptive
-    temperature), the first --probe_problems, each with the init's solve rate from
-    --probe_samples samples (common.probe; kept in probe.jsonl for a resumed run)."""
-    tasks = load_tasks(args.data, "train")
-    if args.curriculum == "filter" or probe_all:
-        tasks = probe(sampler, model, tok, tasks[:args.probe_problems], args.probe_samples,
-                      args.template, args.max_prompt_len, args.temperature, args.max_response_len,
-                      step_seed(args.seed, 0), f"{output_dir}/probe.jsonl")
-    return tasks, make_curriculum(args.curriculum, tasks, args.curriculum_bins,
-                                  args.curriculum_window, args.curriculum_threshold,
-                                  state.get("curriculum"))
+def held_out(args):
+    """evaluate.eval_metrics's arguments after the model and tokenizer for a training script's
+    periodic evaluation: --eval_problems of --eval_data's val split, --eval_samples each, ..."""
+    return (load_tasks(args.eval_data, "val", args.eval_problems), args.eval_samples,
+            args.eval_max_new_tokens, args.template, args.seed)
 
 
 def warmup_lr(opt, lr, step, warmup_steps):
@@ -187,9 +167,9 @@ def grpo_stats(stats, out, info, is_weight, cut, m, keep, correction, sequence):
     stats.token_mean("ratio", info["ratio"], m)
     stats.max("ratio_max", info["ratio"] * m)
     stats.token_mean("is_correction", is_weight, m)  # the mean weight ρ's correction gives
+    cut_name = "is_masked" if correction.endswith("mask") else "is_truncated"
     for name, v, of_rows in (("clip_frac", info["clipped"], sequence),
-                             (f"is_{correction.split('_')[-1]}ed", cut.float(),
-                              correction.startswith("sequence"))):
+                             (cut_name, cut.float(), correction.startswith("sequence"))):
         if name == "clip_frac" or correction != "none":  # (is_truncated, is_masked)
             if of_rows:  # a rollout's: its first token's
                 stats.row_mean(name, v[:, 0] * keep)

@@ -259,3 +259,11 @@ def check_same_tokenizer(tok, other, name, other_name):
                 f"{name} and {other_name} have different {what.upper()} tokens ({a!r} vs {b!r}): "
                 "the student would learn to end where its sampler does not stop; start the "
                 "teacher from the student's base family (Qwen/Qwen2.5-7B, not -Instruct)")
+
+
+def decode_precision(dev):
+    """What the decode runs under: bf16 autocast on a GPU (half the KV cache, the bf16 trainer's
+    precision), fp32 on a CPU, where sampling is fastest (common.autocast)."""
+    if dev.type == "cuda":
+        return torch.autocast("cuda", torch.bfloat16)
+    return contextlib.nullcontext()

@@ -338,3 +338,14 @@ def solve_rates(path, tasks, k, measure):
     print(f"probe: {len(tasks)} problems x {k} samples: the init never solves {never}, always "
           f"{always}, sometimes {len(tasks) - never - always}")
     return tasks
+
+
+def tiers(tasks, bins):
+    """001 Algorithm 1, line 1: task indices in tiers, by operand count, then `bins` equal-count
+    bins of the target within each count; smaller counts and targets first."""
+    out = []
+    for count in sorted({len(t["nums"]) for t in tasks}):
+        idx = sorted((i for i, t in enumerate(tasks) if len(t["nums"]) == count),
+                     key=lambda i: tasks[i]["target"])
+        out += [idx[len(idx) * b // bins: len(idx) * (b + 1) // bins] for b in range(bins)]
+    return [tier for tier in out if tier]

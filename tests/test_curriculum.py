@@ -228,7 +228,7 @@ def test_grpo_two_steps_with_every_exploration_knob_and_filter(tiny_ckpt, tmp_pa
         for i, t in enumerate(tasks):
             t["solve_rate"] = [0.0, 0.5, 1.0, 0.25][i % 4]
         return tasks
-    monkeypatch.setattr(grpo, "probe", fake_probe)
+    monkeypatch.setattr(C, "probe", fake_probe)  # common.curriculum_tasks calls it
     grpo.main(["--init", tiny_ckpt, *FAST, "--curriculum", "filter", "--probe_problems", "8",
                "--adaptive_temperature", "0.6,1.5", "--bottom_p", "0.9", "--bottom_p_freq", "0.5",
                "--output_dir", str(tmp_path)])

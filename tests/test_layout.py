@@ -159,7 +159,8 @@ def test_an_rl_step_shows_every_stage_in_its_loop(script):
     """Sample, score, advantage, log-probs, loss and backward are each a line of the script's own
     loop, not a call deep in a helper."""
     names = {name for _, name in loop_calls(script)}
-    stages = {"sample": {"rollouts", "explain_fn"}, "score": {"score_rollouts", "score_fn"},
+    # sample: rollouts(), or the sampler's hand-off (ahead.put, then ahead.take: --async_steps)
+    stages = {"sample": {"rollouts", "explain_fn", "take"}, "score": {"score_rollouts", "score_fn"},
               "advantage": {f"{a}_advantages" for a in ("rloo", "grpo")}, "log-probs": {"token_stats"},
               "loss": {f"{script}_loss", "rloo_loss"}, "backward": {"backward"}}
     missing = [stage for stage, want in stages.items() if not want & names]
