@@ -100,13 +100,13 @@ def _rloo_loss(g):
 
 def _grpo_loss(g):
     out = []
-    for ref, eps_hi, kl_ratio, tis in ((True, 0.0, True, False), (False, 0.28, False, False), (True, 0.0, False, True)):
+    for ref, eps_hi, kl_ratio, w in ((True, 0.0, True, False), (False, 0.28, False, False), (True, 0.0, False, True)):
         logp, old, mask = _seqs(g, 3, 5)
         old = logp.detach() + torch.randn(3, 5, generator=g) * 0.3
         kw = {"beta": 0.1, "epsilon": 0.2, "epsilon_high": eps_hi, "kl_ratio": kl_ratio}
-        if tis:
-            kw["tis"] = torch.rand(3, 5, generator=g) + 0.5
-        out.append((f"(3, 5) rollouts, reference {ref}, ε_high {eps_hi}, kl_ratio {kl_ratio}, tis {tis}",
+        if w:  # an off-policy correction's weights (off_policy_weight)
+            kw["is_weight"] = torch.rand(3, 5, generator=g) + 0.5
+        out.append((f"(3, 5) rollouts, reference {ref}, ε_high {eps_hi}, kl_ratio {kl_ratio}, is_weight {w}",
                     [logp, old, -torch.rand(3, 5, generator=g) * 3 if ref else None, torch.randn(3, generator=g)], kw))
     return out
 

@@ -29,9 +29,10 @@ from plumbing.flags import CountdownError
 
 
 class AheadSampler:
-    """put(step, tasks, model, version, temperature) hands a step's prompts over; take(step) ->
-    (Rollouts, tasks), each row's `versions` the weights that sampled it. `options`: rollouts()'s
-    arguments after the temperature (group size, template, prompt and token budgets, bottom-p)."""
+    """put(step, tasks, model, version, temperature, seed) hands a step's prompts over; take(step)
+    -> (Rollouts, tasks), each row's `versions` the weights that sampled it. `rollouts`:
+    common.rollouts; `options`: its arguments after the temperature (group size, template, prompt
+    and token budgets, bottom-p) and the decode loop."""
 
     def __init__(self, k, sampler, rollouts, model, tok, options, threads=1, pending=None):
         self.k, self.sampler, self.rollouts, self.tok, self.options = (k, sampler, rollouts, tok,
