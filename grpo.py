@@ -42,6 +42,7 @@ from plumbing.flags import RLArgs, arg, check_grpo, cli, parse_args, seed_everyt
 from plumbing.harness import (AheadSampler, Run, frozen_copy, grpo_stats, held_out, load_policy,
                               prepare_run, step_seed, warmup_lr)
 
+
 @dataclass
 class Args(RLArgs):
     # shared, with this script's defaults (002 §5.1's Countdown recipe; 004 Table 6 in the help)

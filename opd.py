@@ -42,6 +42,7 @@ from plumbing.harness import (AheadSampler, Run, held_out, load_frozen, load_pol
                               step_seed, warmup_lr)
 from plumbing.tasks import load_tasks
 
+
 @dataclass
 class Args(RLArgs):
     # shared, with this script's defaults (000 Table 5)

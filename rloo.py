@@ -34,6 +34,7 @@ from plumbing.flags import RLArgs, arg, check_async, check_rl_args, cli, parse_a
 from plumbing.harness import (AheadSampler, Run, held_out, load_policy, prepare_run, step_seed,
                               warmup_lr)
 
+
 @dataclass
 class Args(RLArgs):
     # shared, with this script's defaults (000 Table 5)
