@@ -103,7 +103,7 @@ class Args(RLArgs):
     overlong_factor: float = arg(1.0, "DAPO Eq. 13: the penalty at the budget (verl's default 1)")
     is_correction: str = arg("auto", "ρ = π_old/μ's weight (off_policy_weight): none | "
                                      "token_truncate | token_mask | sequence_truncate | "
-                                     "sequence_mask | auto: token_truncate at --async_steps ≥ 1 "
+                                     "sequence_mask | auto: sequence_mask at --async_steps ≥ 1 "
                                      "(none collapsed: docs/studies/off_policy.md), else none")
     is_cap: float = arg(2.0, "C of --is_correction: truncate at C, mask outside [1/C, C] (TRL: 2)")
 

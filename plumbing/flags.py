@@ -210,7 +210,7 @@ def check_grpo(args):
                                                        "token_mask", "sequence_truncate",
                                                        "sequence_mask"))
     if args.is_correction == "auto":  # resolved here, so args.json records what ran
-        args.is_correction = "token_truncate" if args.async_steps else "none"
+        args.is_correction = "sequence_mask" if args.async_steps else "none"
     if args.is_cap <= 1:
         raise CountdownError(f"--is_cap must be above 1 (truncate at C, mask outside [1/C, C]), "
                              f"not {args.is_cap}")

@@ -168,13 +168,14 @@ def test_grpo_k_steps_ahead_logs_its_staleness_reruns_the_same_and_leaves_no_pro
 
 
 def test_grpo_corrects_a_sampler_ahead_unless_told_otherwise():
-    """--is_correction auto: token TIS at k ≥ 1 (without a correction k = 1 collapsed on both seeds,
-    docs/studies/off_policy.md), none at k = 0 (the loop that takes turns, unchanged)."""
+    """--is_correction auto: sequence MIS at k ≥ 1 (without a correction k = 1 collapsed on both seeds;
+    MIS held where token TIS did not, docs/studies/off_policy.md), none at k = 0 (the loop that takes
+    turns, unchanged)."""
     def resolved(*flags):
         args = grpo.parse_args(grpo.Args, list(flags))
         grpo.check_grpo(args)
         return args.is_correction
-    assert resolved() == "none" and resolved("--async_steps", "1") == "token_truncate"
+    assert resolved() == "none" and resolved("--async_steps", "1") == "sequence_mask"
     assert resolved("--async_steps", "1", "--is_correction", "none") == "none"
 
 
